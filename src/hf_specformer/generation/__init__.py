@@ -1,0 +1,16 @@
+"""Batched, lossless speculative generation (shipped flattened as the drafter folder's `custom_generate/`)."""
+
+from .drafting import OracleProposer, Proposer, SpecFormerProposer
+from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
+from .generate import generate
+from .stats import SpecStats
+
+__all__ = [
+    "OracleProposer",
+    "Proposer",
+    "SpecFormerProposer",
+    "SpecStats",
+    "SpeculativeDecoderOnlyOutput",
+    "generate",
+    "speculative_decode",
+]

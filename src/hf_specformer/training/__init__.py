@@ -1,0 +1,1 @@
+"""Training the drafter: self-distillation data (`distill`) and prompt loading (`data`)."""

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random Llama and Qwen3 targets in float64, fixed seeds, a SpecFormer bound to each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from hf_specformer import SpecFormerConfig, SpecFormerForDrafting
+
+TINY_VOCAB = 96
+TINY_COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+TARGET_FACTORIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**TINY_COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=12, **TINY_COMMON)),
+}
+
+
+def make_target(kind: str = "llama", seed: int = 0) -> torch.nn.Module:
+    """A tiny random causal LM in float64 and eval mode."""
+    torch.manual_seed(seed)
+    model = TARGET_FACTORIES[kind]().double().eval()
+    model.requires_grad_(False)
+    return model
+
+
+def make_drafter(target, draft_length: int = 4, seed: int = 1, **kwargs) -> SpecFormerForDrafting:
+    """A randomly initialised SpecFormer in float64, bound to `target`."""
+    torch.manual_seed(seed)
+    config = SpecFormerConfig.from_target_config(target.config, draft_length=draft_length, **kwargs)
+    return SpecFormerForDrafting(config).double().eval().bind_target(target)
+
+
+@pytest.fixture(params=sorted(TARGET_FACTORIES))
+def target_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def target(target_kind):
+    return make_target(target_kind)
+
+
+@pytest.fixture
+def drafter(target):
+    return make_drafter(target)

@@ -1,0 +1,44 @@
+"""Shared checks for the generation tests: batches, oracle proposers, and equality against plain `generate`."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_specformer import OracleProposer, generate
+
+PAD = 0
+
+
+def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int = 3, max_len: int = 14):
+    """Left-padded random prompts `[B, P]` with their attention mask; lengths differ per row when `padded`."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=generator) if padded else None
+    width = max_len if padded else max_len
+    input_ids = torch.randint(3, 90, (batch_size, width), generator=generator)
+    mask = torch.ones_like(input_ids)
+    if padded:
+        for row, length in enumerate(lengths.tolist()):
+            input_ids[row, : width - length] = PAD
+            mask[row, : width - length] = 0
+    return input_ids, mask
+
+
+def noisy_oracle(reference_new_tokens: torch.LongTensor, k: int, vocab: int, corrupt: float, seed: int = 0):
+    """An oracle whose continuation has a share `corrupt` of tokens replaced, so rows reject at different places."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.rand(reference_new_tokens.shape, generator=generator) < corrupt
+    random_tokens = torch.randint(3, vocab, reference_new_tokens.shape, generator=generator)
+    return OracleProposer(torch.where(noise, random_tokens, reference_new_tokens), k, vocab, PAD)
+
+
+def assert_same_as_generate(target, assistant, input_ids, attention_mask, num_draft_tokens=None, **kwargs):
+    """Speculative output equals `target.generate` token for token; returns the speculative output."""
+    reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
+    output = generate(
+        target, input_ids=input_ids, attention_mask=attention_mask, assistant_model=assistant, do_sample=False,
+        return_dict_in_generate=True, num_draft_tokens=num_draft_tokens, **kwargs,
+    )
+    assert output.sequences.shape == reference.shape, (output.sequences.shape, reference.shape)
+    mismatched = (output.sequences != reference).any(dim=1).nonzero().flatten().tolist()
+    assert not mismatched, f"rows {mismatched} differ:\n{output.sequences[mismatched]}\n{reference[mismatched]}"
+    return output

@@ -1,0 +1,185 @@
+"""Greedy speculative generation equals plain `generate`, token for token, across the engine's ragged cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, make_drafter, make_target
+from helpers import PAD, assert_same_as_generate, make_batch, noisy_oracle
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from hf_specformer import OracleProposer, generate
+
+# name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
+CASES = {
+    "llama-b1-k1-untrained": ("llama", "untrained", 1, 1, False, None, 12),
+    "llama-b3-k4-oracle-pad-eos": ("llama", "oracle", 3, 4, True, "mid", 24),
+    "llama-b8-k2-noisy-pad-eos": ("llama", "noisy", 8, 2, True, "mid", 30),
+    "llama-b32-k4-untrained-pad": ("llama", "untrained", 32, 4, True, None, 16),
+    "llama-b16-k3-noisy-pad-eos-multi": ("llama", "noisy", 16, 3, True, "several", 40),
+    "qwen3-b1-k4-oracle": ("qwen3", "oracle", 1, 4, False, None, 20),
+    "qwen3-b5-k4-untrained-pad-eos": ("qwen3", "untrained", 5, 4, True, "mid", 25),
+    "qwen3-b32-k2-noisy-pad-eos": ("qwen3", "noisy", 32, 2, True, "mid", 20),
+    "qwen3-b12-k1-oracle-pad-len1": ("qwen3", "oracle", 12, 1, True, None, 1),
+    "qwen3-b7-k3-noisy-pad-eos": ("qwen3", "noisy", 7, 3, True, "several", 33),
+}
+
+
+def _eos_ids(reference_new: torch.LongTensor, mode: str | None):
+    """EOS ids that rows reach at different steps: tokens the reference greedy output produces mid-way."""
+    if mode is None:
+        return None
+    middle = reference_new[:, reference_new.shape[1] // 3]
+    ids = [int(middle[0])]
+    if mode == "several":
+        ids.append(int(reference_new[-1, reference_new.shape[1] // 2]))
+    return ids
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_equals_generate(case):
+    kind, drafter_kind, batch_size, k, padded, eos_mode, max_new = CASES[case]
+    target = make_target(kind)
+    input_ids, mask = make_batch(batch_size, seed=batch_size + k, padded=padded)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
+    eos = _eos_ids(reference[:, input_ids.shape[1]:], eos_mode)
+    kwargs = dict(max_new_tokens=max_new, pad_token_id=PAD)
+    if eos is not None:
+        kwargs["eos_token_id"] = eos
+    new_tokens = reference[:, input_ids.shape[1]:]
+    assistant = {
+        "untrained": lambda: make_drafter(target, draft_length=4),
+        "oracle": lambda: OracleProposer(new_tokens, k, TINY_VOCAB, PAD),
+        "noisy": lambda: noisy_oracle(new_tokens, k, TINY_VOCAB, corrupt=0.3),
+    }[drafter_kind]()
+    output = assert_same_as_generate(
+        target, assistant, input_ids, mask, num_draft_tokens=None if drafter_kind != "untrained" else k, **kwargs
+    )
+    stats = output.speculation_stats
+    assert stats.steps >= 0 and len(stats.accepted_at) == k
+    if drafter_kind == "oracle" and eos is None and max_new > 1:
+        assert stats.acceptance_rate == 1.0 and stats.tokens_per_step == k + 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_prefix_reading_processors_and_min_new_tokens(kind):
+    """Repetition penalty and min_new_tokens read each row's exact prefix, drafts included."""
+    target = make_target(kind)
+    input_ids, mask = make_batch(6, seed=11)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    eos = int(reference[0, input_ids.shape[1] + 2])  # a token rows would emit early: min_new_tokens must hold it
+    oracle = noisy_oracle(reference[:, input_ids.shape[1]:], 3, TINY_VOCAB, corrupt=0.2)
+    output = assert_same_as_generate(
+        target, oracle, input_ids, mask, max_new_tokens=20, repetition_penalty=1.3, min_new_tokens=6,
+        eos_token_id=eos, pad_token_id=PAD,
+    )
+    assert (output.sequences[:, input_ids.shape[1]: input_ids.shape[1] + 6] != eos).all()
+
+
+class StopAfterToken(StoppingCriteria):
+    """Stops a row once `token` has been generated (a user criterion the engine cannot vectorise)."""
+
+    def __init__(self, token: int, prompt_width: int):
+        self.token, self.prompt_width = token, prompt_width
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.prompt_width:] == self.token).any(dim=1)
+
+
+def test_user_stopping_criteria_stop_at_the_same_token():
+    target = make_target("llama")
+    input_ids, mask = make_batch(5, seed=3)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    token = int(reference[2, input_ids.shape[1] + 7])
+    criteria = StoppingCriteriaList([StopAfterToken(token, input_ids.shape[1])])
+    oracle = OracleProposer(reference[:, input_ids.shape[1]:], 4, TINY_VOCAB, PAD)
+    assert_same_as_generate(
+        target, oracle, input_ids, mask, max_new_tokens=24, stopping_criteria=criteria, pad_token_id=PAD
+    )
+
+
+class CollectingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_batch_size_one():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(1, seed=5, padded=False)
+    streamer = CollectingStreamer()
+    output = generate(
+        target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=15,
+        do_sample=False, streamer=streamer,
+    )
+    assert streamer.ended
+    assert torch.equal(torch.cat(streamer.chunks), output[0])
+
+
+def test_sampling_with_several_return_sequences_runs():
+    target = make_target("qwen3")
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(3, seed=2)
+    output = generate(
+        target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, do_sample=True,
+        num_return_sequences=2, max_new_tokens=9, top_k=10, pad_token_id=PAD,
+    )
+    assert output.shape == (6, input_ids.shape[1] + 9)
+    assert torch.equal(output[::2, : input_ids.shape[1]], input_ids)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_beams": 2}, "beam search"),
+        ({"num_return_sequences": 2}, "num_return_sequences"),
+        ({"cache_implementation": "static"}, "DynamicCache"),
+        ({"output_scores": True}, "unsupported"),
+    ],
+)
+def test_unsupported_arguments_raise(kwargs, message):
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(2, seed=1)
+    with pytest.raises(ValueError, match=message):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, **kwargs)
+
+
+def test_missing_attention_mask_with_padding_raises():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    input_ids, _ = make_batch(3, seed=1)
+    with pytest.raises(ValueError, match="attention_mask"):
+        generate(target, input_ids=input_ids, assistant_model=drafter, max_new_tokens=4, pad_token_id=PAD)
+
+
+def test_drafter_bound_to_another_target_raises():
+    target, other = make_target("llama"), make_target("llama", seed=7)
+    drafter = make_drafter(other)
+    input_ids, mask = make_batch(2, seed=1)
+    with pytest.raises(ValueError, match="another target"):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_drafter_for_a_different_architecture_raises():
+    llama, qwen = make_target("llama"), make_target("qwen3")
+    drafter = make_drafter(qwen)
+    drafter._target_head = None  # unbound copy of a Qwen3 drafter
+    input_ids, mask = make_batch(2, seed=1)
+    with pytest.raises(ValueError, match="model_type"):
+        generate(llama, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_missing_assistant_raises():
+    target = make_target("llama")
+    input_ids, mask = make_batch(2, seed=1)
+    with pytest.raises(ValueError, match="assistant_model"):
+        generate(target, input_ids=input_ids, attention_mask=mask, max_new_tokens=4)

@@ -1,0 +1,180 @@
+"""Tests of self-distillation data generation, with a tiny random Llama target and the SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from datasets import load_from_disk
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_specformer.targets import load_tokenizer
+from hf_specformer.training.data import chat_prompt_ids, find_shared_data, load_prompts
+from hf_specformer.training.distill import cut_after_eos, distill
+
+PROMPTS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a Python function that adds two numbers and explain it in one sentence.",
+    "Name a colour.",
+    "Why do cats purr? Answer briefly, in plain words, for a child.",
+    "2 + 2 = ?",
+]
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def tiny_target(tokenizer, eos_token_id: int | None = None) -> LlamaForCausalLM:
+    """A random two-layer Llama with SmolLM2's vocabulary, in float64 so batched and single runs agree."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return tiny_target(tokenizer)
+
+
+def single_answer(target, tokenizer, prompt: str) -> list[int]:
+    """The target's greedy answer to `prompt` alone, cut after the first EOS."""
+    ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+    with torch.inference_mode():
+        output = target.generate(
+            ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    eos = target.generation_config.eos_token_id
+    return cut_after_eos(output[0, ids.shape[1] :].tolist(), set(eos) if isinstance(eos, list) else {eos})
+
+
+def read_lines(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "progress", "records.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_distill_answers_like_single_prompt_generation(target, tokenizer, tmp_path):
+    dataset = distill(target, tokenizer, PROMPTS, str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, batch_size=4,
+                      progress=False)
+    assert dataset["id"] == list(range(len(PROMPTS)))
+    for record, prompt in zip(dataset, PROMPTS):
+        prompt_ids = chat_prompt_ids(tokenizer, prompt)
+        assert record["prompt"] == prompt
+        assert record["prompt_length"] == len(prompt_ids)
+        assert record["input_ids"][: len(prompt_ids)] == prompt_ids  # no left padding stored
+        answer = record["input_ids"][len(prompt_ids) :]
+        assert answer == single_answer(target, tokenizer, prompt)
+        assert record["response"] == tokenizer.decode(answer, skip_special_tokens=True)
+    assert load_from_disk(str(tmp_path / "dataset")).to_list() == dataset.to_list()
+
+
+def test_distill_cuts_answers_after_first_eos(target, tokenizer, tmp_path):
+    full = single_answer(target, tokenizer, PROMPTS[1])
+    eos = full[2]
+    expected = full[: full.index(eos) + 1]
+    stopping = tiny_target(tokenizer, eos_token_id=eos)
+    dataset = distill(stopping, tokenizer, PROMPTS[:3], str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, batch_size=3,
+                      progress=False)
+    record = dataset[1]
+    assert record["input_ids"][record["prompt_length"] :] == expected
+    assert len(expected) < MAX_NEW_TOKENS
+
+
+def test_distill_resumes_after_a_kill_without_regenerating(target, tokenizer, tmp_path):
+    output = str(tmp_path)
+    first = distill(target, tokenizer, PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    # What a kill during the third batch leaves: two batches on disk, a half-written line, no dataset.
+    lines = read_lines(output)
+    kept = [dict(record, response="kept from the first run") for record in lines[:4]]
+    with open(os.path.join(output, "progress", "records.jsonl"), "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in kept)
+        f.write(json.dumps(lines[4])[:20])
+    shutil.rmtree(os.path.join(output, "dataset"))
+
+    resumed = distill(target, tokenizer, PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    lines = read_lines(output)
+    assert sorted(record["id"] for record in lines) == list(range(len(PROMPTS)))  # no duplicates, none lost
+    assert [record["id"] for record in lines[:4]] == [record["id"] for record in kept]
+    kept_ids = {record["id"] for record in kept}
+    for old, new in zip(first, resumed):
+        assert new["input_ids"] == old["input_ids"]
+        assert (new["response"] == "kept from the first run") == (new["id"] in kept_ids)
+
+    distill(target, tokenizer, PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    assert len(read_lines(output)) == len(PROMPTS)  # a finished run generates nothing more
+
+
+def test_distill_refuses_to_resume_a_different_run(target, tokenizer, tmp_path):
+    distill(target, tokenizer, PROMPTS[:2], str(tmp_path), max_new_tokens=4, progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        distill(target, tokenizer, PROMPTS[:2], str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, progress=False)
+    with pytest.raises(ValueError, match="prompts"):
+        distill(target, tokenizer, PROMPTS[:3], str(tmp_path), max_new_tokens=4, progress=False)
+
+
+def test_distill_skips_prompts_over_the_token_limit(target, tokenizer, tmp_path):
+    limit = len(chat_prompt_ids(tokenizer, PROMPTS[1]))
+    dataset = distill(target, tokenizer, PROMPTS, str(tmp_path), max_new_tokens=2, max_prompt_tokens=limit,
+                      progress=False)
+    expected = [i for i, prompt in enumerate(PROMPTS) if len(chat_prompt_ids(tokenizer, prompt)) <= limit]
+    assert dataset["id"] == expected
+    assert 0 < len(expected) < len(PROMPTS)
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_load_prompts_detects_the_prompt_field(tmp_path):
+    source = write_jsonl(tmp_path / "q.jsonl", [{"id": 1, "question": " Why? "}, {"id": 2, "question": ""},
+                                                {"id": 3, "question": "How?"}])
+    assert load_prompts(source) == ["Why?", "How?"]
+    turns = write_jsonl(tmp_path / "t.jsonl", [{"turns": ["First turn", "Second turn"]}])
+    assert load_prompts(turns) == ["First turn"]
+    assert load_prompts(source, prompt_field="question", limit=1) == ["Why?"]
+
+
+def test_load_prompts_rejects_unknown_fields(tmp_path):
+    source = write_jsonl(tmp_path / "x.jsonl", [{"body": "Hello", "label": 0}])
+    with pytest.raises(ValueError, match="body"):
+        load_prompts(source)
+
+
+def test_default_prompt_set_and_shuffle():
+    prompts = load_prompts()
+    assert len(prompts) >= 50 and len(set(prompts)) == len(prompts)
+    shuffled = load_prompts(shuffle_seed=0, limit=10)
+    assert shuffled == load_prompts(shuffle_seed=0, limit=10) != prompts[:10]
+    assert set(shuffled) <= set(prompts)
+
+
+def test_find_shared_data_prefers_the_environment_folder(tmp_path, monkeypatch):
+    (tmp_path / "mine.jsonl").write_text("")
+    monkeypatch.setenv("HF_SPECFORMER_DATA_DIR", str(tmp_path))
+    assert find_shared_data("mine.jsonl") == str(tmp_path / "mine.jsonl")
+    assert find_shared_data("no-such-file.jsonl") is None
+
+
+def test_shared_distill_prompts_load():
+    path = find_shared_data("distill_prompts.jsonl")
+    if path is None:
+        pytest.skip("no ../shared/data/distill_prompts.jsonl beside the checkout")
+    prompts = load_prompts(path, shuffle_seed=0, limit=20)
+    assert len(prompts) == 20 and all(isinstance(prompt, str) and prompt for prompt in prompts)
