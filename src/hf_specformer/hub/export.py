@@ -54,11 +54,18 @@ def export_drafter(
         write_custom_generate(staging)
         if model_card is not None:
             Path(staging, "README.md").write_text(model_card)
+        _make_readable(Path(staging))
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(staging, folder)
         os.makedirs(staging)  # TemporaryDirectory cleans up the (now empty) staging path
     return folder
+
+
+def _make_readable(folder: Path) -> None:
+    """`tempfile` stages with mode 0700; a published folder is world-readable like any `save_pretrained` output."""
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _cast_copy(drafter, dtype: torch.dtype):

@@ -1,0 +1,29 @@
+# Two entry points, both working on a fresh machine: `make demo` (the main job) and `make test`.
+# torch==2.13.0 is installed first so pip takes the local CPU build instead of a multi-GB CUDA one.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/hf-specformer demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/hf-specformer bench --oracle --untrained --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output bench/smollm2_cpu
+
+clean:
+	rm -rf $(VENV)

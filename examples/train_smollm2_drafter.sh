@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Self-distil SmolLM2-135M-Instruct, train a SpecFormer drafter on it, export the Hub folder, benchmark it.
+# Prompts: ../shared/data/distill_prompts.jsonl when present, else the package's built-in prompt set.
+set -euo pipefail
+PROMPTS=${PROMPTS:-../shared/data/distill_prompts.jsonl}
+[ -f "$PROMPTS" ] || PROMPTS=""
+OUT=${OUT:-runs/smollm2}
+
+hf-specformer distill ${PROMPTS:+--prompts "$PROMPTS"} --output "$OUT/distill" --max-new-tokens 256 --batch-size 32
+# Resumable: re-run the same command after an interruption, or add --resume to the training command.
+accelerate launch --num_processes 1 --cpu -m hf_specformer.train --target smollm2 --data "$OUT/distill" \
+    --output-dir "$OUT/train" --epochs 2 --per-device-batch-size 4 --positions-per-sequence 64
+hf-specformer export --drafter "$OUT/train/drafter" --output "$OUT/specformer-smollm2-135m-instruct" \
+    --eval "$OUT/train/eval.json"
+hf-specformer bench --drafter "$OUT/specformer-smollm2-135m-instruct" --oracle --output "$OUT/bench"

@@ -1,0 +1,238 @@
+"""Side-by-side benchmark: plain `generate` against speculative generation, same prompts, same machine, one run.
+
+For each batch size B the prompts are cut into batches of B; every batch is generated with plain greedy
+`target.generate` and then with each proposer, and the outputs are compared row by row. Reported per B and mode:
+plain and speculative tokens/s (new tokens up to and including EOS, identical for both since outputs match),
+speedup, kappa (tokens per row per target forward), acceptance per drafted position, and the cost-model limit
+(k + 1) * t(B, 1) / t(B, k + 1) from timing one target forward of 1 and of k + 1 new tokens per row at that batch
+size over the batch's prompt cache; engine efficiency = speedup / limit. The oracle proposer drafts the target's
+own greedy continuation (all drafts accepted), so its efficiency measures the engine apart from drafter quality.
+
+Writes `<output>.json` and `<output>.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModel, DynamicCache
+
+from .generation import OracleProposer, generate
+from .models import SpecFormerConfig, SpecFormerForDrafting
+from .targets import DEFAULT_TARGET, load_target, load_tokenizer
+from .training.data import find_shared_data, load_prompts
+
+BENCH_PROMPTS = "spec_bench_mtbench.jsonl"
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. `modes` holds `oracle`, `untrained` and/or a drafter folder path."""
+
+    target: str = DEFAULT_TARGET
+    modes: list[str] = field(default_factory=lambda: ["oracle"])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16, 32])
+    num_draft_tokens: int = 4
+    max_new_tokens: int = 128
+    num_prompts: int = 32
+    prompts: str | None = None
+    threads: int = 2
+    limit_repeats: int = 7
+    output: str = "bench/results"
+
+
+def chat_batches(tokenizer, prompts: list[str], batch_size: int) -> list[dict]:
+    """Left-padded chat-template batches of `batch_size` prompts (the last partial batch is dropped)."""
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
+    return [
+        tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True)
+        for i in range(0, len(texts) - batch_size + 1, batch_size)
+    ]
+
+
+def count_new_tokens(sequences: torch.LongTensor, prompt_width: int, eos_token_id: int) -> int:
+    """New tokens per row up to and including the first EOS (padding after it is not counted)."""
+    new = sequences[:, prompt_width:]
+    is_eos = new == eos_token_id
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
+    return int(lengths.sum())
+
+
+@torch.no_grad()
+def forward_cost_limit(target, batch: dict, k: int, repeats: int) -> dict:
+    """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free."""
+    cache = DynamicCache()
+    mask = batch["attention_mask"]
+    target(**batch, past_key_values=cache, logits_to_keep=1)
+    lengths = mask.sum(-1, keepdim=True)
+
+    def time_forward(num_tokens: int) -> float:
+        ids = batch["input_ids"][:, -num_tokens:]
+        step_mask = torch.cat([mask, torch.ones_like(ids)], 1)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target(ids, attention_mask=step_mask, position_ids=lengths + torch.arange(num_tokens),
+                   past_key_values=cache, logits_to_keep=0)
+            times.append(time.perf_counter() - start)
+            cache.crop(-num_tokens)
+        return statistics.median(times)
+
+    t1, tk = time_forward(1), time_forward(k + 1)
+    return {"t_forward_1": t1, "t_forward_k_plus_1": tk, "limit": (k + 1) * t1 / tk}
+
+
+def make_assistant(mode: str, target, reference_new: torch.LongTensor, k: int, pad_token_id: int):
+    """The proposer for a mode: the oracle, a freshly initialised SpecFormer, or a drafter folder."""
+    if mode == "oracle":
+        return OracleProposer(reference_new, k, target.config.vocab_size, pad_token_id)
+    if mode == "untrained":
+        torch.manual_seed(0)
+        return SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).eval()
+    return AutoModel.from_pretrained(mode, trust_remote_code=True, dtype=target.dtype).eval()
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchConfig, drafters: dict) -> list[dict]:
+    """All modes at one batch size; one row of results per mode."""
+    batches = chat_batches(tokenizer, prompts, batch_size)
+    eos = tokenizer.eos_token_id
+    gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
+    plain_time, tokens, references = 0.0, 0, []
+    for batch in batches:
+        reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs))
+        plain_time += seconds
+        tokens += count_new_tokens(reference, batch["input_ids"].shape[1], eos)
+        references.append(reference)
+    limit = forward_cost_limit(target, batches[0], config.num_draft_tokens, config.limit_repeats)
+    rows = []
+    for mode in config.modes:
+        spec_time, mismatched, kappas, per_position = 0.0, 0, [], []
+        for batch, reference in zip(batches, references):
+            width = batch["input_ids"].shape[1]
+            assistant = drafters.get(mode) or make_assistant(
+                mode, target, reference[:, width:], config.num_draft_tokens, tokenizer.pad_token_id
+            )
+            output, seconds = _timed(lambda: generate(
+                target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
+                return_dict_in_generate=True, **gen_kwargs,
+            ))
+            spec_time += seconds
+            mismatched += int((output.sequences != reference).any(1).sum()) if output.sequences.shape == reference.shape else len(reference)
+            kappas.append(output.speculation_stats.tokens_per_step)
+            per_position.append(output.speculation_stats.acceptance_by_position)
+        speedup = plain_time / spec_time
+        rows.append({
+            "mode": mode, "batch_size": batch_size, "num_batches": len(batches), "new_tokens": tokens,
+            "plain_seconds": plain_time, "spec_seconds": spec_time,
+            "plain_tokens_per_s": tokens / plain_time, "spec_tokens_per_s": tokens / spec_time,
+            "speedup": speedup, **limit, "efficiency": speedup / limit["limit"],
+            "tokens_per_step": statistics.mean(kappas),
+            "acceptance_by_position": [statistics.mean(col) for col in zip(*per_position)],
+            "mismatched_rows": mismatched,
+        })
+    return rows
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Speedup per batch size for each mode, with the cost-model limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    modes = list(dict.fromkeys(row["mode"] for row in results))
+    for mode in modes:
+        rows = [row for row in results if row["mode"] == mode]
+        axis.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=Path(mode).name)
+    limit_rows = [row for row in results if row["mode"] == modes[0]]
+    axis.plot([r["batch_size"] for r in limit_rows], [r["limit"] for r in limit_rows], "k--", label="cost-model limit")
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("batch size")
+    axis.set_ylabel("speedup over plain generate")
+    axis.set_title("Speculative vs plain greedy generate")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run_benchmark(config: BenchConfig) -> dict:
+    """Runs every batch size and mode; writes `<output>.json` and `<output>.png`; returns the report."""
+    torch.set_num_threads(config.threads)
+    target, tokenizer = load_target(config.target), load_tokenizer(config.target)
+    source = config.prompts or find_shared_data(BENCH_PROMPTS)
+    prompts = load_prompts(source)[: config.num_prompts]
+    drafters = {
+        mode: make_assistant(mode, target, None, config.num_draft_tokens, tokenizer.pad_token_id)
+        for mode in config.modes if mode != "oracle"
+    }
+    results = []
+    for batch_size in tqdm(config.batch_sizes, desc="batch sizes"):
+        results.extend(bench_batch_size(target, tokenizer, prompts, batch_size, config, drafters))
+        tqdm.write(json.dumps({k: v for k, v in results[-1].items() if k != "acceptance_by_position"}))
+    report = {
+        "config": asdict(config),
+        "prompt_source": source or "hf_specformer default prompts",
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "results": results,
+    }
+    output = Path(config.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    plot(results, output.with_suffix(".png"))
+    return report
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--oracle", action="store_true", help="measure the engine ceiling with an oracle drafter")
+    parser.add_argument("--untrained", action="store_true", help="a freshly initialised SpecFormer")
+    parser.add_argument("--drafter", action="append", default=[], help="a drafter folder (repeatable)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--prompts", default=None, help="prompt file; default: shared MT-bench set, else built-in")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default="bench/results", help="path stem of the JSON and PNG")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    modes = (["oracle"] if args.oracle else []) + (["untrained"] if args.untrained else []) + args.drafter
+    if not modes:
+        raise SystemExit("Choose at least one of --oracle, --untrained, --drafter DIR.")
+    return BenchConfig(
+        target=args.target, modes=modes, batch_sizes=args.batch_sizes, num_draft_tokens=args.num_draft_tokens,
+        max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, prompts=args.prompts,
+        threads=args.threads, output=args.output,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_benchmark(config_from_args(build_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

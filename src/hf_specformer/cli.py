@@ -1,0 +1,53 @@
+"""`hf-specformer` command line: demo, distill, train, bench, export.
+
+    hf-specformer demo                      SmolLM2 + the shipped drafter: identical outputs, speedup
+    hf-specformer distill --output DIR      the target answers prompts (resumable self-distillation data)
+    hf-specformer train --data DIR ...      train a drafter (also: accelerate launch -m hf_specformer.train)
+    hf-specformer bench --oracle ...        side-by-side benchmark, JSON + PNG
+    hf-specformer export --drafter DIR ...  Hub folder: weights, code, custom_generate/, model card
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _export(argv: list[str]) -> None:
+    from transformers import AutoModel
+
+    from .hub.cards import render_card
+    from .hub.export import export_drafter
+
+    parser = argparse.ArgumentParser(prog="hf-specformer export", description="Write a drafter's Hub folder.")
+    parser.add_argument("--drafter", required=True, help="a saved drafter folder")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--eval", default=None, help="eval.json of the training run")
+    parser.add_argument("--bench", default=None, help="benchmark JSON to report in the card")
+    parser.add_argument("--bench-mode", default=None, help="the benchmark mode (drafter path) to report")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    import torch
+
+    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True, dtype=torch.float32)
+    card = render_card(drafter, eval_path=args.eval, bench_path=args.bench, drafter_mode=args.bench_mode)
+    print(export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "demo": lambda rest: __import__("hf_specformer.demo", fromlist=["main"]).main(rest),
+        "distill": lambda rest: __import__("hf_specformer.training.distill", fromlist=["main"]).main(rest),
+        "train": lambda rest: __import__("hf_specformer.training.train_drafter", fromlist=["main"]).main(rest),
+        "bench": lambda rest: __import__("hf_specformer.bench", fromlist=["main"]).main(rest),
+        "export": _export,
+    }
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

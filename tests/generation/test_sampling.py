@@ -1,0 +1,91 @@
+"""Speculative sampling keeps the target's distribution: a chi-square test on the joint of the first 3 tokens.
+
+The reference is exact: with a tiny vocabulary we enumerate p(x1) p(x2 | x1) p(x3 | x1, x2) under the same logits
+processors `generate` builds. Cells with expected count < 5 are pooled. Each test rejects at p < 1e-3, so a correct
+sampler fails it with probability 0.1% per case (seeds are fixed, so a run is reproducible); a power check shows the
+same test rejects a nearby wrong distribution (the target at temperature 1.3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_drafter
+from scipy.stats import chi2
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from hf_specformer import generate
+
+VOCAB, NEW_TOKENS, SAMPLES, ALPHA = 12, 3, 30_000, 1e-3
+
+
+def sharp_target(seed: int = 0):
+    """Tiny Llama with a small vocabulary and a scaled head, so its distributions are far from uniform."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+def exact_joint(target, prompt: torch.LongTensor, processors) -> torch.Tensor:
+    """`[V ** 3]` probabilities of every 3-token continuation, processed as `generate` processes them."""
+    prefixes = prompt[None]
+    joint = torch.ones(1, dtype=torch.float64)
+    for _ in range(NEW_TOKENS):
+        with torch.no_grad():
+            logits = target(prefixes).logits[:, -1].float()
+        scores = processors(prefixes, logits)
+        probs = scores.softmax(-1).double()  # [n, V]
+        joint = (joint[:, None] * probs).flatten()
+        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(len(prefixes))[:, None]], 1)
+    return joint
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return float(chi2.sf(statistic, int(keep.sum()) - 1))
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.0, "top_p": 0.8}],
+    ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8"],
+)
+def test_joint_of_first_three_tokens_matches_target(sampling):
+    target = sharp_target()
+    drafter = make_drafter(target, draft_length=4)
+    prompt = torch.tensor([3, 7, 1, 5])
+    config = GenerationConfig(do_sample=True, max_new_tokens=NEW_TOKENS, pad_token_id=0, **sampling)
+    processors = target._get_logits_processor(generation_config=config, input_ids_seq_length=len(prompt))
+    reference = exact_joint(target, prompt, processors)
+
+    torch.manual_seed(1234)
+    rows = []
+    for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
+        out = generate(
+            target, input_ids=prompt[None].repeat(5000, 1), assistant_model=drafter, num_draft_tokens=3,
+            generation_config=config,
+        )
+        rows.append(out[:, len(prompt):])
+    samples = torch.cat(rows)
+    codes = (samples * torch.tensor([VOCAB**2, VOCAB, 1])).sum(1)
+    counts = torch.bincount(codes, minlength=VOCAB**NEW_TOKENS).double()
+    stats = drafter.speculation_stats
+    assert 0 < stats.accepted < stats.drafted, "the test needs both acceptances and rejections"
+
+    assert chi_square_p_value(counts, reference) > ALPHA
+    wrong = exact_joint(target, prompt, target._get_logits_processor(
+        generation_config=GenerationConfig(do_sample=True, **{**sampling, "temperature": 1.3 * sampling["temperature"]}),
+        input_ids_seq_length=len(prompt),
+    ))
+    assert chi_square_p_value(counts, wrong) < 1e-6, "power check: the test must reject a nearby distribution"

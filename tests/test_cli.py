@@ -1,0 +1,39 @@
+"""Command line: dispatch, argument errors, and `export` producing a complete Hub folder with a card."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make_drafter, make_target
+
+from hf_specformer import cli
+from hf_specformer.bench import build_parser, config_from_args
+
+
+def test_no_command_prints_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+    assert "hf-specformer demo" in capsys.readouterr().out
+
+
+def test_bench_needs_a_mode():
+    with pytest.raises(SystemExit, match="--oracle"):
+        config_from_args(build_parser().parse_args([]))
+    config = config_from_args(build_parser().parse_args(["--oracle", "--drafter", "d", "--batch-sizes", "1", "4"]))
+    assert config.modes == ["oracle", "d"] and config.batch_sizes == [1, 4]
+
+
+def test_export_writes_hub_folder_with_card(tmp_path):
+    drafter = make_drafter(make_target("llama"))
+    drafter.save_pretrained(tmp_path / "trained")
+    (tmp_path / "eval.json").write_text(json.dumps({"kappa": [1.5, 1.8], "slot_accuracy": [0.5, 0.3]}))
+    cli.main(["export", "--drafter", str(tmp_path / "trained"), "--output", str(tmp_path / "hub"),
+              "--eval", str(tmp_path / "eval.json")])
+    folder = tmp_path / "hub"
+    assert (folder / "custom_generate" / "generate.py").exists()
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    card = (folder / "README.md").read_text()
+    assert "base_model:" in card and "speculative-decoding" in card and "| 2 | 1.800 |" in card
+    assert "parameters: 0.0" not in card

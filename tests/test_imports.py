@@ -1,0 +1,57 @@
+"""One-way imports (see STYLE.md): models know nothing of generation; Hub-bundled files import only siblings."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "hf_specformer"
+ALLOWED = {
+    "models": {"models"},
+    "generation": {"generation"},
+    "hub": {"hub", "models", "generation"},
+    "training": {"training", "models", "generation", "hub", "targets"},
+}
+BUNDLED_EXTERNAL = {"torch", "transformers", "__future__", "abc", "dataclasses", "collections", "copy", "typing"}
+
+
+def internal_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(top-level hf_specformer subpackages imported, external top-level modules imported) of one file."""
+    tree = ast.parse(path.read_text())
+    module_parts = path.relative_to(PACKAGE).parts[:-1]
+    internal, external = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(module_parts[: len(module_parts) - node.level + 1])
+            names = [node.module.split(".")] if node.module else [[alias.name] for alias in node.names]
+            internal.update((base + name)[0] for name in names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            root = node.module.split(".")
+            (internal.add(root[1]) if root[0] == "hf_specformer" else external.add(root[0]))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                root = alias.name.split(".")
+                (internal.add(root[1]) if root[0] == "hf_specformer" and len(root) > 1 else external.add(root[0]))
+    return internal, external
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_one_way_imports(package):
+    for path in (PACKAGE / package).rglob("*.py"):
+        internal, _ = internal_imports(path)
+        assert internal <= ALLOWED[package], f"{path.relative_to(PACKAGE)} imports {internal - ALLOWED[package]}"
+
+
+@pytest.mark.parametrize("folder", ["models/specformer", "generation"])
+def test_hub_bundled_files_import_only_torch_transformers_and_siblings(folder):
+    for path in (PACKAGE / folder).glob("*.py"):
+        if path.name == "__init__.py":
+            continue  # registration lives there and is never copied to the Hub
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1, f"{path.name}: only `from .sibling import` is allowed ({node.module})"
+        _, external = internal_imports(path)
+        assert external <= BUNDLED_EXTERNAL, f"{path.name} imports {external - BUNDLED_EXTERNAL}"

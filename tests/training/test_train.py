@@ -1,0 +1,268 @@
+"""Tests of drafter training: data loading, labels, intra-batch accumulation, learning, exact resume, evaluation,
+and a two-process `accelerate launch` run. Tiny random targets (float64 in process, float32 on disk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_VOCAB, make_drafter, make_target
+from datasets import Dataset
+
+from hf_specformer.training.train_drafter import (
+    IGNORE_INDEX,
+    DrafterTrainingConfig,
+    acceptance_steps,
+    collate,
+    evaluate_kappa,
+    hooked_target_states,
+    intra_batch_backward,
+    load_distilled,
+    sample_positions,
+    slot_labels,
+    train,
+)
+
+CYCLE = list(range(10, 17))
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """One torch thread: on a small, shared CPU, more threads make these tiny models many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def learnable_target() -> torch.nn.Module:
+    """The tiny random Llama with its (frozen) lm_head scaled up: at the init std of 0.02 the head's logits span
+    about +-1, so no drafter could bring the loss much below log(V)."""
+    target = make_target()
+    target.lm_head.weight.mul_(25)
+    return target
+
+
+def repetitive_dataset(num_rows: int = 16, response_length: int = 24, seed: int = 0) -> Dataset:
+    """Prompts of 3 random tokens; the reply cycles through `CYCLE` from an offset set by the prompt, so every
+    future reply token follows from the current one (learnable in a few steps)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        prompt = [1, rng.randrange(3, TINY_VOCAB), rng.randrange(3, TINY_VOCAB)]
+        reply = [CYCLE[(prompt[1] + i) % len(CYCLE)] for i in range(response_length)]
+        rows.append({"input_ids": prompt + reply, "prompt_length": len(prompt)})
+    return Dataset.from_list(rows)
+
+
+def random_dataset(num_rows: int = 6, length: int = 40, seed: int = 0) -> Dataset:
+    """Uniformly random tokens: no drafter can predict them."""
+    rng = random.Random(seed)
+    rows = [{"input_ids": [rng.randrange(3, TINY_VOCAB) for _ in range(length)], "prompt_length": 5}
+            for _ in range(num_rows)]
+    return Dataset.from_list(rows)
+
+
+def make_config(output_dir: Path, **overrides) -> DrafterTrainingConfig:
+    """A small, fast configuration for the tiny targets."""
+    values = dict(
+        data="unused", output_dir=str(output_dir), target="unused", draft_length=4, max_steps=30,
+        per_device_batch_size=4, learning_rate=3e-3, min_learning_rate=1e-4, warmup_ratio=0.1, max_length=64,
+        positions_per_sequence=8, eval_fraction=0.2, eval_every=0, save_every=0, save_dtype="float32", num_threads=1,
+    )
+    values.update(overrides)
+    return DrafterTrainingConfig(**values)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----- data and labels -----------------------------------------------------------------------------------------
+def test_load_distilled_reads_progress_records_and_saved_datasets(tmp_path):
+    progress = tmp_path / "run" / "progress"
+    progress.mkdir(parents=True)
+    records = [{"id": i, "prompt": "p", "input_ids": [1, 2, 3 + i], "prompt_length": 2, "response": "r"}
+               for i in (2, 0, 1)]
+    content = "".join(json.dumps(record) + "\n" for record in records) + '{"id": 3, "input_'
+    (progress / "records.jsonl").write_text(content)
+    dataset = load_distilled(tmp_path / "run")
+    assert dataset.column_names == ["input_ids", "prompt_length"]
+    assert dataset["input_ids"][:] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]  # sorted by id, cut line ignored
+    assert (progress / "records.jsonl").read_text() == content  # left untouched
+
+    Dataset.from_list(records).save_to_disk(str(tmp_path / "run" / "dataset"))
+    assert len(load_distilled(tmp_path / "run")) == 3  # a finished run's dataset wins
+    Dataset.from_list(records[:2]).save_to_disk(str(tmp_path / "saved"))
+    assert load_distilled(tmp_path / "saved")["prompt_length"][:] == [2, 2]
+    with pytest.raises(FileNotFoundError):
+        load_distilled(tmp_path / "missing")
+
+
+def test_config_rejects_inconsistent_values(tmp_path):
+    with pytest.raises(ValueError, match="min_learning_rate"):
+        make_config(tmp_path, learning_rate=1e-4, min_learning_rate=1e-3)
+    with pytest.raises(ValueError, match="eval_fraction"):
+        make_config(tmp_path, eval_fraction=1.0)
+    with pytest.raises(ValueError, match="epochs"):
+        make_config(tmp_path, max_steps=None, epochs=0)
+
+
+def test_labels_are_future_reply_tokens():
+    batch = collate({"input_ids": [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8]], "prompt_length": [3, 1]}, max_length=64)
+    positions, mask = sample_positions(batch.lengths.tolist(), batch.prompt_lengths.tolist(), 0, random.Random(0))
+    assert positions.tolist() == [[1, 2, 3], [0, 1, 0]] and mask.tolist() == [[True] * 3, [True, True, False]]
+    labels = slot_labels(batch, positions, mask, num_slots=3)
+    x = IGNORE_INDEX
+    assert labels.tolist() == [
+        [[8, 9, 10], [9, 10, x], [10, x, x]],  # x_{t+2+j} in the reply (index >= 3), nothing past the end
+        [[7, 8, x], [8, x, x], [x, x, x]],  # padded position: no labels
+    ]
+    sampled, sampled_mask = sample_positions([40], [3], 5, random.Random(0))
+    assert sampled_mask.all() and sampled.shape == (1, 5) and sampled.min() >= 1 and sampled.max() <= 37
+
+
+# ----- intra-batch gradient accumulation -----------------------------------------------------------------------
+def test_intra_batch_backward_matches_plain_loss(target_kind):
+    target = make_target(target_kind)
+    drafter = make_drafter(target, draft_length=4).train()
+    batch = collate(repetitive_dataset(3)[:3], max_length=64)
+    hooked = hooked_target_states(target, drafter, batch.input_ids, batch.attention_mask)
+    positions, mask = sample_positions(batch.lengths.tolist(), batch.prompt_lengths.tolist(), 6, random.Random(0))
+    labels = slot_labels(batch, positions, mask, num_slots=4)
+
+    def slot_states():
+        return drafter(hooked, attention_mask=batch.attention_mask, use_cache=False, draft_positions=positions,
+                       num_draft_tokens=4, return_logits=False).slot_hidden_states
+
+    total, per_slot = intra_batch_backward(drafter, slot_states(), labels)
+    intra_grads = {name: parameter.grad.clone() for name, parameter in drafter.named_parameters()}
+    drafter.zero_grad()
+
+    logits = drafter.compute_logits(slot_states())  # [B, P, l_d, V] all at once
+    plain_per_slot = [F.cross_entropy(logits[:, :, j].flatten(0, 1), labels[:, :, j].flatten()) for j in range(4)]
+    plain = torch.stack(plain_per_slot).mean()
+    plain.backward()
+
+    assert total == pytest.approx(plain.item(), rel=1e-10)
+    assert per_slot == pytest.approx([loss.item() for loss in plain_per_slot], rel=1e-10)
+    for name, parameter in drafter.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+        assert torch.allclose(intra_grads[name], parameter.grad, rtol=1e-9, atol=1e-12), name
+    assert all(p.grad is None for p in target.parameters())
+
+
+# ----- training ------------------------------------------------------------------------------------------------
+def test_training_lowers_the_loss_and_exports(tmp_path):
+    output_dir = tmp_path / "run"
+    result = train(make_config(output_dir), target=learnable_target(), dataset=repetitive_dataset())
+    losses = [record["loss"] for record in read_metrics(output_dir) if "loss" in record]
+    assert len(losses) == 30 and result.state.step == 30
+    assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses
+    assert (output_dir / "drafter" / "config.json").exists()
+    assert (output_dir / "drafter" / "custom_generate" / "generate.py").exists()
+    evaluation = json.loads((output_dir / "eval.json").read_text())
+    assert evaluation["step"] == 30 and len(evaluation["kappa"]) == 4
+    assert all(1.0 <= kappa <= k + 1 for k, kappa in enumerate(evaluation["kappa"], start=1))
+    assert evaluation["kappa"] == sorted(evaluation["kappa"])  # trained on a predictable reply: grows with k
+
+
+@pytest.mark.parametrize("interruption", ["crash", "stop_and_extend"])
+def test_resumed_run_matches_uninterrupted_run(tmp_path, interruption):
+    """`crash`: the 6-step run's last checkpoint is deleted, as if it had died after step 3, and it is resumed.
+    `stop_and_extend`: a 3-step run is resumed with max_steps=6 (constant learning rate, so that the schedule,
+    which depends on max_steps, is the same). Either way the result equals the uninterrupted 6-step run."""
+    dataset = repetitive_dataset(num_rows=6)  # 5 train rows -> 3 micro-batches of 2 per epoch, windows of 2
+    schedule = {} if interruption == "crash" else {"warmup_ratio": 0.0, "min_learning_rate": 3e-3}
+    options = dict(max_steps=6, per_device_batch_size=2, gradient_accumulation_steps=2, save_every=3,
+                   positions_per_sequence=4, **schedule)
+    reference = train(make_config(tmp_path / "reference", **options), target=make_target(), dataset=dataset)
+
+    run_dir = tmp_path / "interrupted"
+    if interruption == "crash":
+        train(make_config(run_dir, **options), target=make_target(), dataset=dataset)
+        shutil.rmtree(run_dir / "checkpoints" / "step-6")
+    else:
+        train(make_config(run_dir, **{**options, "max_steps": 3}), target=make_target(), dataset=dataset)
+    assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step-3"]
+    with pytest.raises(ValueError, match="resume"):
+        train(make_config(run_dir, **options), target=make_target(), dataset=dataset)
+    resumed = train(make_config(run_dir, resume=True, **options), target=make_target(), dataset=dataset)
+
+    assert resumed.state.step == 6 and resumed.state.epoch == reference.state.epoch
+    for (name, expected), actual in zip(reference.drafter.named_parameters(), resumed.drafter.parameters()):
+        assert torch.equal(expected, actual), name
+    steps = {int(state["step"]) for state in resumed.optimizer.state_dict()["state"].values()}
+    assert steps == {6}
+    assert [r["loss"] for r in read_metrics(run_dir) if "loss" in r] == \
+        [r["loss"] for r in read_metrics(tmp_path / "reference") if "loss" in r]
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step-3", "step-6"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_accelerate_launch_two_processes(tmp_path):
+    """`accelerate launch` with 2 CPU processes (DDP over gloo). In accelerate 1.15, `--cpu --num_processes 2`
+    starts a single process (more only through mpirun), so the test asks for the multi-process launcher and keeps
+    the processes on the CPU with ACCELERATE_USE_CPU."""
+    target = make_target().float()
+    target.save_pretrained(tmp_path / "target")
+    repetitive_dataset(num_rows=10).save_to_disk(str(tmp_path / "data"))
+    output_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+        "-m", "hf_specformer.train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"),
+        "--output-dir", str(output_dir), "--max-steps", "2", "--per-device-batch-size", "2", "--draft-length", "2",
+        "--eval-fraction", "0.2", "--save-every", "1", "--num-threads", "1", "--positions-per-sequence", "4",
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert (output_dir / "drafter" / "config.json").exists()
+    metrics = read_metrics(output_dir)
+    assert [record["step"] for record in metrics if "loss" in record] == [1, 2]
+    evaluation = json.loads((output_dir / "eval.json").read_text())
+    assert evaluation["num_processes"] == 2 and evaluation["num_sequences"] == 2
+    assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == ["step-1", "step-2"]
+
+
+# ----- evaluation ----------------------------------------------------------------------------------------------
+def test_acceptance_steps_of_perfect_and_useless_drafts():
+    tokens = torch.arange(100, 130)
+    start = 4
+    positions = torch.arange(start, len(tokens) - 2)
+    perfect = torch.stack([tokens[(positions + 2 + j).clamp(max=len(tokens) - 1)] for j in range(4)], dim=1)
+    for k in range(1, 5):
+        steps = acceptance_steps(perfect, tokens, start, k)
+        assert steps and all(step == k + 1 for step in steps)
+    assert set(acceptance_steps(torch.zeros_like(perfect), tokens, start, 4)) == {1}
+    half = perfect.clone()
+    half[:, 2:] = 0  # the first two slots right, then wrong: each step accepts 2 drafts + the target's token
+    assert set(acceptance_steps(half, tokens, start, 4)) == {3}
+
+
+def test_evaluate_kappa_bounds_and_random_data():
+    target = make_target()
+    drafter = make_drafter(target, draft_length=4)
+    random_rows = random_dataset()
+    result = evaluate_kappa(target, drafter, random_rows, max_k=4)
+    assert result["num_sequences"] == 6 and result["num_positions"] == 6 * (40 - 2 - 4)
+    assert all(1.0 <= kappa <= k + 1 for k, kappa in enumerate(result["kappa"], start=1))
+    assert all(kappa < 1.1 for kappa in result["kappa"])  # untrained drafter, random tokens: nothing accepted
+    assert all(0.0 <= accuracy < 0.1 for accuracy in result["slot_accuracy"])
+    assert drafter.training is False
