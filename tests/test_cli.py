@@ -36,4 +36,4 @@ def test_export_writes_hub_folder_with_card(tmp_path):
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
     card = (folder / "README.md").read_text()
     assert "base_model:" in card and "speculative-decoding" in card and "| 2 | 1.800 |" in card
-    assert "parameters: 0.0" not in card
+    assert f"parameters: {drafter.num_parameters() / 1e6:.2f}M" in card
