@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_specformer import OracleProposer, SpecFormerConfig, SpecFormerForDrafting, generate
+from hf_specformer.demo import load_drafter
 from hf_specformer.targets import load_target, load_tokenizer
 from hf_specformer.training.data import load_prompts
 
@@ -45,7 +46,7 @@ def first_divergence_is_tie(target, reference_row, output_row, mask_row) -> tupl
     return gap < TIE_TOLERANCE, column, gap
 
 
-@pytest.mark.parametrize("drafter_kind", ["untrained", "oracle"])
+@pytest.mark.parametrize("drafter_kind", ["untrained", "oracle", "shipped"])
 def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
     target, tokenizer = smollm2
     inputs = chat_batch(tokenizer, 6)
@@ -53,10 +54,14 @@ def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
     if drafter_kind == "oracle":
         assistant = OracleProposer(reference[:, inputs["input_ids"].shape[1]:], 4, target.config.vocab_size,
                                    tokenizer.pad_token_id)
+    elif drafter_kind == "shipped":
+        assistant = load_drafter(None, target)  # the trained drafter folder shipped in the package
     else:
         assistant = SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).eval()
     output = generate(target, **inputs, assistant_model=assistant, max_new_tokens=40, do_sample=False)
     assert output.shape == reference.shape
+    if drafter_kind == "shipped":  # a trained drafter must actually get drafts accepted on its own target
+        assert assistant.speculation_stats.tokens_per_step > 1.2
     for row in (output != reference).any(1).nonzero().flatten().tolist():
         is_tie, column, gap = first_divergence_is_tie(target, reference[row], output[row], inputs["attention_mask"][row])
         print(f"row {row}: divergence at column {column}, top-2 logit gap {gap:.2e}")

@@ -92,6 +92,7 @@ class DrafterTrainingConfig:
         seed: seed of initialisation, data order, held-out split and position sampling.
         num_threads: torch CPU threads per process (0: torch's default).
         resume: continue from the latest checkpoint in `output_dir/checkpoints` (from scratch if there is none).
+        init_from: a drafter folder whose weights start the run (e.g. continued training on more data).
     """
 
     data: str = field(metadata={"help": "Distill output folder or a `save_to_disk` dataset folder."})
@@ -122,6 +123,9 @@ class DrafterTrainingConfig:
     seed: int = field(default=0, metadata={"help": "Random seed."})
     num_threads: int = field(default=0, metadata={"help": "Torch CPU threads per process (0: default)."})
     resume: bool = field(default=False, metadata={"help": "Resume from the latest checkpoint in output_dir."})
+    init_from: str | None = field(
+        default=None, metadata={"help": "Start from this drafter folder's weights instead of a fresh init."}
+    )
 
     def __post_init__(self):
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps")
@@ -500,7 +504,15 @@ class TrainingResult:
 
 
 def build_drafter(target: PreTrainedModel, config: DrafterTrainingConfig) -> SpecFormerForDrafting:
-    """A freshly initialised drafter for `target`, in the target's dtype, bound to it, in training mode."""
+    """The drafter to train, in the target's dtype, bound to it, in training mode: freshly initialised, or the
+    weights of `config.init_from` (continued training on new data; optimiser and schedule start afresh)."""
+    if config.init_from:
+        drafter = SpecFormerForDrafting.from_pretrained(config.init_from, dtype=target.dtype)
+        if drafter.config.draft_length != config.draft_length:
+            raise ValueError(
+                f"`init_from` has draft_length {drafter.config.draft_length}, the run asks for {config.draft_length}."
+            )
+        return drafter.bind_target(target).train()
     drafter_config = SpecFormerConfig.from_target_config(target.config, draft_length=config.draft_length)
     drafter = SpecFormerForDrafting(drafter_config).to(target.dtype)
     return drafter.bind_target(target).train()
