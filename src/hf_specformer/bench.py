@@ -1,6 +1,6 @@
 """Side-by-side benchmark: plain `generate` against speculative generation, same prompts, same machine, one run.
 
-For each batch size B the prompts are cut into batches of B; every batch is generated with plain greedy
+For each batch size B, max(B, min_rows) prompts are cut into batches of B; every batch is generated with plain greedy
 `target.generate` and then with each proposer, and the outputs are compared row by row. Reported per B and mode:
 plain and speculative tokens/s (new tokens up to and including EOS, identical for both since outputs match),
 speedup, kappa (tokens per row per target forward), acceptance per drafted position, and the cost-model limit
@@ -43,9 +43,11 @@ class BenchConfig:
     num_draft_tokens: int = 4
     max_new_tokens: int = 128
     num_prompts: int = 32
+    min_rows: int = 8
     prompts: str | None = None
     threads: int = 2
     limit_repeats: int = 7
+    compaction_hole_fraction: float = 0.5
     output: str = "bench/results"
 
 
@@ -110,8 +112,8 @@ def _timed(fn):
 
 
 def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchConfig, drafters: dict) -> list[dict]:
-    """All modes at one batch size; one row of results per mode."""
-    batches = chat_batches(tokenizer, prompts, batch_size)
+    """All modes at one batch size (over `max(batch_size, min_rows)` prompts); one row of results per mode."""
+    batches = chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)
     eos = tokenizer.eos_token_id
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
@@ -132,7 +134,7 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             )
             output, seconds = _timed(lambda: generate(
                 target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
-                return_dict_in_generate=True, **gen_kwargs,
+                compaction_hole_fraction=config.compaction_hole_fraction, return_dict_in_generate=True, **gen_kwargs,
             ))
             spec_time += seconds
             mismatched += int((output.sequences != reference).any(1).sum()) if output.sequences.shape == reference.shape else len(reference)
@@ -212,9 +214,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts loaded (at least the largest batch)")
+    parser.add_argument("--min-rows", type=int, default=8, help="rows generated per batch size, at least B")
     parser.add_argument("--prompts", default=None, help="prompt file; default: shared MT-bench set, else built-in")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compaction-hole-fraction", type=float, default=0.5,
+                        help="compact caches at this hole share (above 1: never), to measure compaction")
     parser.add_argument("--output", default="bench/results", help="path stem of the JSON and PNG")
     return parser
 
@@ -225,8 +230,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit("Choose at least one of --oracle, --untrained, --drafter DIR.")
     return BenchConfig(
         target=args.target, modes=modes, batch_sizes=args.batch_sizes, num_draft_tokens=args.num_draft_tokens,
-        max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, prompts=args.prompts,
-        threads=args.threads, output=args.output,
+        max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, min_rows=args.min_rows, prompts=args.prompts,
+        threads=args.threads, output=args.output, compaction_hole_fraction=args.compaction_hole_fraction,
     )
 
 

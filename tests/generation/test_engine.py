@@ -183,3 +183,14 @@ def test_missing_assistant_raises():
     input_ids, mask = make_batch(2, seed=1)
     with pytest.raises(ValueError, match="assistant_model"):
         generate(target, input_ids=input_ids, attention_mask=mask, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("hole_fraction", [0.0, 0.3, 2.0], ids=["compact-every-step", "compact-at-30%", "never"])
+def test_compaction_policy_does_not_change_outputs(hole_fraction):
+    target = make_target("qwen3")
+    input_ids, mask = make_batch(9, seed=21)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    oracle = noisy_oracle(reference[:, input_ids.shape[1]:], 4, TINY_VOCAB, corrupt=0.25, seed=3)
+    assert_same_as_generate(
+        target, oracle, input_ids, mask, max_new_tokens=30, pad_token_id=PAD, compaction_hole_fraction=hole_fraction
+    )

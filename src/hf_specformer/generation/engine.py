@@ -27,7 +27,7 @@ from .stats import SpecStats
 from .verification import verify_greedy, verify_sampling
 
 COMPACTION_HOLE_FRACTION = 0.5
-"""Squeeze holes out of the caches once they are at least this share of the columns (measured in `bench.py`)."""
+"""Default share of cache columns that are holes (rejected drafts, padding) at which the caches are compacted."""
 
 
 @dataclass
@@ -143,8 +143,9 @@ def _retire_rows(batch: RaggedBatch, caches: list[Cache], finished: torch.BoolTe
     return draft_logits[keep]
 
 
-def _maybe_compact(batch: RaggedBatch, caches: list[Cache]) -> None:
-    if batch.size and batch.hole_fraction() >= COMPACTION_HOLE_FRACTION:
+def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float) -> None:
+    """Gathers each row's valid cache columns to the right once holes reach `hole_fraction` of the columns."""
+    if batch.size and batch.hole_fraction() >= hole_fraction:
         index = batch.compaction_index()
         for cache in caches:
             _gather_cache_columns(cache, index)
@@ -171,6 +172,7 @@ def speculative_decode(
     generation_config: GenerationConfig,
     proposer: Proposer | None = None,
     speculative_streamer=None,
+    compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -181,6 +183,7 @@ def speculative_decode(
         logits_processor, stopping_criteria, generation_config: as prepared by `generate`.
         proposer: where drafts come from (`SpecFormerProposer`, `OracleProposer`, ...).
         speculative_streamer: a streamer (batch size 1 only); the prompt is put first.
+        compaction_hole_fraction: compact the caches when holes reach this share of their columns (> 1: never).
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
@@ -229,7 +232,7 @@ def speculative_decode(
         finished = commit(batch, tokens, num_accepted + 1)
         draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted)
         draft_logits = _retire_rows(batch, caches, finished, draft_logits)
-        _maybe_compact(batch, caches)
+        _maybe_compact(batch, caches, compaction_hole_fraction)
 
     if speculative_streamer is not None:
         speculative_streamer.end()

@@ -9,6 +9,8 @@ This file is the drafter folder's `custom_generate/generate.py` (bundled with it
 only torch, transformers and siblings. Arguments beyond `generate`'s:
     assistant_model: a SpecFormer drafter (bound to `model` here if it is not yet) or a `Proposer`.
     num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`).
+    compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the
+        columns (default 0.5; above 1 never).
 Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
 (`SpecStats`: steps, tokens per step per row, acceptance per drafted position). After every call the same
 statistics are on the assistant as `assistant_model.speculation_stats`.
@@ -22,7 +24,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 
 from .drafting import Proposer, SpecFormerProposer
-from .engine import speculative_decode
+from .engine import COMPACTION_HOLE_FRACTION, speculative_decode
 
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -98,6 +100,7 @@ def generate(
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
     num_draft_tokens: int | None = None,
+    compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -115,6 +118,7 @@ def generate(
         custom_generate=speculative_decode,
         proposer=proposer,
         speculative_streamer=streamer,
+        compaction_hole_fraction=compaction_hole_fraction,
         **kwargs,
     )
     if assistant_model is not proposer:
