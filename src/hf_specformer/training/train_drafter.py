@@ -518,6 +518,7 @@ def build_drafter(target: PreTrainedModel, config: DrafterTrainingConfig) -> Spe
     return drafter.bind_target(target).train()
 
 
+
 def total_optimizer_steps(config: DrafterTrainingConfig, batches_per_epoch: int) -> int:
     """`max_steps`, else the optimiser steps of `epochs` passes (at least 1)."""
     if config.max_steps is not None:
