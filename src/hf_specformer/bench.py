@@ -5,8 +5,11 @@ For each batch size B, max(B, min_rows) prompts are cut into batches of B; every
 plain and speculative tokens/s (new tokens up to and including EOS, identical for both since outputs match),
 speedup, kappa (tokens per row per target forward), acceptance per drafted position, and the cost-model limit
 (k + 1) * t(B, 1) / t(B, k + 1) from timing one target forward of 1 and of k + 1 new tokens per row at that batch
-size over the batch's prompt cache; engine efficiency = speedup / limit. The oracle proposer drafts the target's
-own greedy continuation (all drafts accepted), so its efficiency measures the engine apart from drafter quality.
+size over the batch's prompt cache. The prompt's prefill forward is the same work with or without speculation and
+the cost model leaves it out, so it is timed separately and the decode phase is compared too:
+decode speedup = (plain - prefill) / (speculative - prefill), and engine efficiency = decode speedup / limit. The
+oracle proposer drafts the target's own greedy continuation (all drafts accepted), so its efficiency measures the
+engine apart from drafter quality.
 
 Writes `<output>.json` and `<output>.png`.
 """
@@ -72,6 +75,14 @@ def count_new_tokens(sequences: torch.LongTensor, prompt_width: int, eos_token_i
 
 
 @torch.no_grad()
+def prefill_seconds(target, batch: dict) -> float:
+    """Time of the prompt forward `generate` starts with (fresh cache, logits of the last position only)."""
+    start = time.perf_counter()
+    target(**batch, past_key_values=DynamicCache(), logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
 def forward_cost_limit(target, batch: dict, k: int, repeats: int) -> dict:
     """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free."""
     cache = DynamicCache()
@@ -117,10 +128,11 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
     eos = tokenizer.eos_token_id
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
-    plain_time, tokens, references = 0.0, 0, []
+    plain_time, prefill_time, tokens, references = 0.0, 0.0, 0, []
     for batch in batches:
         reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs))
         plain_time += seconds
+        prefill_time += prefill_seconds(target, batch)
         tokens += count_new_tokens(reference, batch["input_ids"].shape[1], eos)
         references.append(reference)
     limit = forward_cost_limit(target, batches[0], config.num_draft_tokens, config.limit_repeats)
@@ -140,12 +152,13 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             mismatched += int((output.sequences != reference).any(1).sum()) if output.sequences.shape == reference.shape else len(reference)
             kappas.append(output.speculation_stats.tokens_per_step)
             per_position.append(output.speculation_stats.acceptance_by_position)
-        speedup = plain_time / spec_time
+        decode_speedup = (plain_time - prefill_time) / (spec_time - prefill_time)
         rows.append({
             "mode": mode, "batch_size": batch_size, "num_batches": len(batches), "new_tokens": tokens,
-            "plain_seconds": plain_time, "spec_seconds": spec_time,
+            "plain_seconds": plain_time, "spec_seconds": spec_time, "prefill_seconds": prefill_time,
             "plain_tokens_per_s": tokens / plain_time, "spec_tokens_per_s": tokens / spec_time,
-            "speedup": speedup, **limit, "efficiency": speedup / limit["limit"],
+            "speedup": plain_time / spec_time, "decode_speedup": decode_speedup, **limit,
+            "efficiency": decode_speedup / limit["limit"],
             "tokens_per_step": statistics.mean(kappas),
             "acceptance_by_position": [statistics.mean(col) for col in zip(*per_position)],
             "mismatched_rows": mismatched,
@@ -164,7 +177,10 @@ def plot(results: list[dict], path: Path) -> None:
     modes = list(dict.fromkeys(row["mode"] for row in results))
     for mode in modes:
         rows = [row for row in results if row["mode"] == mode]
-        axis.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=Path(mode).name)
+        sizes = [r["batch_size"] for r in rows]
+        line = axis.plot(sizes, [r["speedup"] for r in rows], marker="o", label=f"{Path(mode).name} (end to end)")
+        axis.plot(sizes, [r["decode_speedup"] for r in rows], marker=".", linestyle=":", color=line[0].get_color(),
+                  label=f"{Path(mode).name} (decode phase)")
     limit_rows = [row for row in results if row["mode"] == modes[0]]
     axis.plot([r["batch_size"] for r in limit_rows], [r["limit"] for r in limit_rows], "k--", label="cost-model limit")
     axis.axhline(1.0, color="grey", linewidth=0.8)
