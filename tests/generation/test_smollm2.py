@@ -61,7 +61,7 @@ def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
     output = generate(target, **inputs, assistant_model=assistant, max_new_tokens=40, do_sample=False)
     assert output.shape == reference.shape
     if drafter_kind == "shipped":  # a trained drafter must actually get drafts accepted on its own target
-        assert assistant.speculation_stats.tokens_per_step > 1.2
+        assert assistant.speculation_stats.tokens_per_step > 1.05
     for row in (output != reference).any(1).nonzero().flatten().tolist():
         is_tie, column, gap = first_divergence_is_tie(target, reference[row], output[row], inputs["attention_mask"][row])
         print(f"row {row}: divergence at column {column}, top-2 logit gap {gap:.2e}")

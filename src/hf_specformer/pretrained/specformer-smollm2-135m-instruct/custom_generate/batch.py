@@ -1,0 +1,132 @@
+"""Ragged-batch state of speculative generation: per-row tokens, cache validity, positions.
+
+Rows accept different numbers of drafts each step. Instead of re-padding or copying the KV cache, every row feeds
+the same number of inputs (its last token plus k drafts) and the cache grows by k + 1 columns per step for all rows;
+columns of rejected drafts are then *holes*: `attention_mask` hides them from later queries, and positions come from
+the per-row count of valid entries (`lengths`), never from the cache column. Example, k = 2, two rows:
+
+    step inputs        row 0: [t, d1, d2] accepts 2 -> mask 1 1 1      row 1: [t, d1, d2] accepts 0 -> mask 1 0 0
+    lengths (= next position id)  row 0: +3                              row 1: +1
+
+The holes cost attention over a few extra keys; `compact` squeezes them out when they dominate the cache.
+Rows that finish are dropped from the batch (`select_rows`), so they stop costing compute.
+
+Token layout: `tokens[b]` = left-padded prompt (width `prompt_width`) followed by the row's generated tokens
+(`num_generated[b]` of them), then scratch space where tentative drafts are written so logits processors can read
+a row's exact prefix. Unused entries hold `pad_token_id`, so `tokens[:, :prompt_width + max generated]` is what
+`generate` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RaggedBatch:
+    """State of one speculative `generate` call. Shapes: B0 = rows given, B = rows still active, S = cache columns.
+
+    Attributes:
+        tokens: `[B0, prompt_width + max_new_tokens + k + 1]` prompt, generated tokens, draft scratch space.
+        prompt_width: width of the left-padded prompt.
+        num_generated: `[B0]` committed new tokens per row.
+        row_ids: `[B]` original row index of each active row.
+        attention_mask: `[B, S]` 1 where a cache column holds a valid entry of that row.
+        lengths: `[B]` valid cache entries per active row (the position id of the row's next input).
+    """
+
+    tokens: torch.LongTensor
+    prompt_width: int
+    num_generated: torch.LongTensor
+    row_ids: torch.LongTensor
+    attention_mask: torch.LongTensor
+    lengths: torch.LongTensor
+
+    @classmethod
+    def start(
+        cls, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, capacity: int, pad_token_id: int
+    ) -> "RaggedBatch":
+        """input_ids `[B, P]` (left padded), attention_mask `[B, P]` or None (no padding); capacity = new tokens the
+        buffer must hold beyond the prompt (max_new_tokens + drafts of one step)."""
+        batch, width = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        tokens = torch.full((batch, width + capacity), pad_token_id, dtype=torch.long, device=input_ids.device)
+        tokens[:, :width] = input_ids
+        return cls(
+            tokens=tokens,
+            prompt_width=width,
+            num_generated=torch.zeros(batch, dtype=torch.long, device=input_ids.device),
+            row_ids=torch.arange(batch, device=input_ids.device),
+            attention_mask=attention_mask.long(),
+            lengths=torch.zeros(batch, dtype=torch.long, device=input_ids.device),
+        )
+
+    @property
+    def size(self) -> int:
+        """B, the number of active rows."""
+        return self.row_ids.numel()
+
+    def prefix_lengths(self) -> torch.LongTensor:
+        """`[B]` token count of each active row's committed prefix (prompt width + generated)."""
+        return self.prompt_width + self.num_generated[self.row_ids]
+
+    def prompt_position_ids(self) -> torch.LongTensor:
+        """`[B, P]` positions of the left-padded prompt: cumulative count of real tokens (as `generate` does)."""
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def step_inputs(self, num_inputs: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """Attention mask `[B, S + T]` (new columns visible) and position ids `[B, T]` for T = num_inputs inputs."""
+        ones = torch.ones(self.size, num_inputs, dtype=torch.long, device=self.lengths.device)
+        offsets = torch.arange(num_inputs, device=self.lengths.device)
+        return torch.cat([self.attention_mask, ones], dim=1), self.lengths[:, None] + offsets
+
+    def commit_prompt(self) -> None:
+        """Records the prompt's cache columns: valid where the prompt mask is 1."""
+        self.lengths = self.attention_mask.sum(-1)
+
+    def commit_cache(self, num_valid: torch.LongTensor, num_inputs: int) -> None:
+        """After a forward of T = num_inputs inputs, the first `num_valid[b]` columns of row b are kept."""
+        offsets = torch.arange(num_inputs, device=num_valid.device)
+        new_columns = (offsets[None, :] < num_valid[:, None]).long()  # [B, T]
+        self.attention_mask = torch.cat([self.attention_mask, new_columns], dim=1)
+        self.lengths = self.lengths + num_valid
+
+    def write(self, tokens: torch.LongTensor, offset: int = 0) -> None:
+        """Writes `[B, n]` tokens of the active rows right after their committed prefix (+ offset), unmasked."""
+        columns = self.prefix_lengths()[:, None] + offset + torch.arange(tokens.shape[1], device=tokens.device)
+        self.tokens[self.row_ids[:, None], columns] = tokens
+
+    def commit_tokens(self, tokens: torch.LongTensor, counts: torch.LongTensor) -> None:
+        """Appends the first `counts[b]` of `tokens[b]` (`[B, n]`) to each active row's generated tokens."""
+        self.write(tokens)
+        self.num_generated[self.row_ids] += counts
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        """Keeps the active rows at positions `keep` (`[B']`, indices into the active rows)."""
+        self.row_ids = self.row_ids[keep]
+        self.attention_mask = self.attention_mask[keep]
+        self.lengths = self.lengths[keep]
+
+    def hole_fraction(self) -> float:
+        """Share of cache columns that hold no valid entry, over the active rows."""
+        return 1.0 - self.lengths.sum().item() / max(self.attention_mask.numel(), 1)
+
+    def compaction_index(self) -> torch.LongTensor:
+        """`[B, L]` cache columns to gather so each row's valid entries are right-aligned in L = max length columns.
+
+        Rows shorter than L are filled on the left with one of their own padding/hole columns (masked anyway).
+        """
+        width = int(self.lengths.max())
+        order = torch.argsort(self.attention_mask, dim=1, stable=True)  # holes first, valid entries in order last
+        return order[:, -width:]
+
+    def compact(self, index: torch.LongTensor) -> None:
+        """Applies `compaction_index` to the mask (the caller gathers the KV caches with the same index)."""
+        self.attention_mask = torch.gather(self.attention_mask, 1, index)
+
+    def sequences(self) -> torch.LongTensor:
+        """`[B0, prompt_width + max generated]`: what `generate` returns (pad after each row's end)."""
+        return self.tokens[:, : self.prompt_width + int(self.num_generated.max())]

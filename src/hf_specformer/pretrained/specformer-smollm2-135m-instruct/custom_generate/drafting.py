@@ -1,0 +1,119 @@
+"""Proposers: where drafts come from. They only return draft logits; acceptance lives in `verification.py`.
+
+A proposer is called once after every target forward (the prompt's prefill, then each verification step) with what
+that forward produced, and returns draft logits `[B, k, V]` for the k tokens that follow each row's newly committed
+token. The engine turns them into draft tokens (argmax or sampling, after logits processing).
+
+- `SpecFormerProposer`: the SpecFormer drafter, fused with verification (paper: one forward per step). It reads the
+  target's hooked hidden states of the forward's T inputs, appends them to its own context-attention cache, and runs
+  the slot stage only at each row's last accepted input, whose slot j predicts the (j + 1)-th token after the
+  correction/bonus token.
+- `OracleProposer`: proposes a known continuation (the target's own greedy output), so every draft is accepted under
+  greedy decoding; it measures the engine's ceiling apart from drafter quality.
+
+Bundled into `custom_generate/`: it reaches the drafter only through its `forward`, `config` and `bind_target`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from .batch import RaggedBatch
+
+
+class Proposer(ABC):
+    """Base class. Subclasses set `requires_hidden_states` and implement `propose`.
+
+    Attributes:
+        num_draft_tokens: k, drafts per row and step.
+        requires_hidden_states: whether the target forward must return `hidden_states` for `propose`.
+    """
+
+    requires_hidden_states: bool = False
+
+    def __init__(self, num_draft_tokens: int):
+        self.num_draft_tokens = num_draft_tokens
+
+    def start(self) -> None:
+        """Resets per-call state before a new `generate` call."""
+
+    def caches(self) -> list[Cache]:
+        """Caches whose columns follow the target's (the engine drops rows and compacts holes in all of them)."""
+        return []
+
+    @abstractmethod
+    def propose(
+        self,
+        batch: RaggedBatch,
+        hidden_states: tuple[torch.Tensor, ...] | None,
+        position_ids: torch.LongTensor,
+        source_index: torch.LongTensor,
+    ) -> torch.Tensor:
+        """Draft logits `[B, k, V]` after a target forward of T inputs per row.
+
+        Args:
+            batch: state *after* the forward's commit (`batch.attention_mask` is `[B, S + T]`, rejected inputs hidden).
+            hidden_states: the target's `output_hidden_states` (L + 1 tensors `[B, T, d]`), or None if not required.
+            position_ids: `[B, T]` positions of the T inputs.
+            source_index: `[B]` index in 0..T-1 of each row's last accepted input.
+        """
+
+
+class SpecFormerProposer(Proposer):
+    """Drafts with a `SpecFormerForDrafting` bound to the target (see the module docstring)."""
+
+    requires_hidden_states = True
+
+    def __init__(self, drafter: torch.nn.Module, num_draft_tokens: int | None = None):
+        super().__init__(num_draft_tokens or drafter.config.num_speculative_tokens)
+        if not 1 <= self.num_draft_tokens <= drafter.config.draft_length:
+            raise ValueError(
+                f"num_draft_tokens={self.num_draft_tokens} must be between 1 and the drafter's "
+                f"draft_length={drafter.config.draft_length}."
+            )
+        self.drafter = drafter
+        self.cache = DynamicCache()
+
+    def start(self) -> None:
+        self.cache = DynamicCache()
+
+    def caches(self) -> list[Cache]:
+        return [self.cache]
+
+    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
+        hooked = self.drafter.select_hooked_states(hidden_states)
+        output = self.drafter(
+            hooked,
+            position_ids=position_ids,
+            attention_mask=batch.attention_mask,
+            past_key_values=self.cache,
+            draft_positions=source_index[:, None],
+            num_draft_tokens=self.num_draft_tokens,
+        )
+        return output.logits[:, 0]  # [B, k, V]
+
+
+class OracleProposer(Proposer):
+    """Proposes `continuations[b, n : n + k]` for a row that has generated n tokens; `pad_token_id` past the end.
+
+    Args:
+        continuations: `[B0, N]` the tokens each row is expected to generate (e.g. the target's greedy output).
+        vocab_size: V of the returned one-hot logits.
+    """
+
+    def __init__(self, continuations: torch.LongTensor, num_draft_tokens: int, vocab_size: int, pad_token_id: int):
+        super().__init__(num_draft_tokens)
+        padding = continuations.new_full((continuations.shape[0], num_draft_tokens + 1), pad_token_id)
+        self.continuations = torch.cat([continuations, padding], dim=1)
+        self.vocab_size = vocab_size
+
+    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
+        rows = batch.row_ids
+        columns = batch.num_generated[rows, None] + torch.arange(self.num_draft_tokens, device=rows.device)
+        columns = columns.clamp(max=self.continuations.shape[1] - 1)
+        draft_ids = self.continuations.to(rows.device)[rows[:, None], columns]  # [B, k]
+        logits = torch.full((rows.numel(), self.num_draft_tokens, self.vocab_size), float("-inf"), device=rows.device)
+        return logits.scatter_(2, draft_ids[..., None], 0.0)

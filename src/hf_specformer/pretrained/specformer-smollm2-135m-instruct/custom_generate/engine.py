@@ -1,0 +1,244 @@
+"""The speculative decoding loop: prefill, then per step feed, verify, commit, draft, retire rows.
+
+Fused as in the SpecFormer paper: each step feeds every active row's last committed token plus its k drafts through
+the target in one forward ([B, k + 1] inputs); the same forward's hidden states feed the proposer, which drafts the
+next k tokens from each row's last accepted position. No acceptance math here (`verification.py`), no ragged
+bookkeeping (`batch.py`), no drafting (`drafting.py`).
+
+`speculative_decode` has the signature of a `generate` decoding method, so `GenerationMixin.generate` prepares
+inputs, the cache, logits processors and stopping criteria exactly as for plain decoding and then calls it
+(`custom_generate=<callable>`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .batch import RaggedBatch
+from .drafting import Proposer
+from .processing import RaggedLogitsProcessor
+from .stats import SpecStats
+from .verification import verify_greedy, verify_sampling
+
+COMPACTION_HOLE_FRACTION = 0.5
+"""Default share of cache columns that are holes (rejected drafts, padding) at which the caches are compacted."""
+
+
+@dataclass
+class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus `speculation_stats` (a `SpecStats`)."""
+
+    speculation_stats: SpecStats | None = None
+
+
+class _Committer:
+    """Appends committed tokens to rows, cutting them at EOS, at max_new_tokens and at extra stopping criteria.
+
+    `EosTokenCriteria` and `MaxLengthCriteria` are handled here token by token, vectorised; any other criterion
+    (stop strings, user criteria) is evaluated on each row's prefix after every committed token, so a row stops at
+    exactly the token where plain `generate` would have stopped.
+    """
+
+    def __init__(self, stopping_criteria, generation_config: GenerationConfig, max_new_tokens: int, streamer):
+        self.extra_criteria = StoppingCriteriaList(
+            c for c in stopping_criteria or [] if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))
+        )
+        self.eos_token_ids = generation_config._eos_token_tensor
+        self.pad_token_id = _pad_token_id(generation_config)
+        self.max_new_tokens = max_new_tokens
+        self.streamer = streamer
+
+    def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
+        """tokens `[B, n]`, counts `[B]` (1..n) -> finished `[B]`; writes the kept tokens into `batch`."""
+        offsets = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        finished = torch.zeros_like(counts, dtype=torch.bool)
+        if self.eos_token_ids is not None:
+            is_eos = torch.isin(tokens, self.eos_token_ids.to(tokens.device)) & (offsets < counts[:, None])
+            first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, counts)
+            finished |= is_eos.any(1)
+            counts = torch.minimum(counts, first_eos)
+        remaining = self.max_new_tokens - batch.num_generated[batch.row_ids]
+        finished |= counts >= remaining
+        counts = torch.minimum(counts, remaining)
+        if self.extra_criteria:
+            batch.write(tokens)
+            counts, finished = self._apply_extra_criteria(batch, counts, finished)
+        batch.commit_tokens(tokens.masked_fill(offsets >= counts[:, None], self.pad_token_id), counts)
+        if self.streamer is not None:
+            self.streamer.put(tokens[0, : int(counts[0])].cpu())
+        return finished
+
+    def _apply_extra_criteria(self, batch, counts, finished):
+        prefix = batch.prefix_lengths()
+        stopped = torch.zeros_like(finished)
+        for j in range(1, int(counts.max()) + 1):
+            candidates = (~stopped & (counts >= j)).nonzero().squeeze(1)
+            for length in (prefix[candidates] + j).unique().tolist():
+                rows = candidates[prefix[candidates] + j == length]
+                hit = self.extra_criteria(batch.tokens[batch.row_ids[rows], :length], None).to(rows.device)
+                stopped[rows[hit]] = True
+                counts[rows[hit]] = j
+        return counts, finished | stopped
+
+
+def _pad_token_id(generation_config: GenerationConfig) -> int:
+    pad = generation_config._pad_token_tensor
+    return int(pad) if pad is not None else 0
+
+
+def _select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
+    """scores `[B, V]` -> `[B]`: argmax, or a sample of softmax(scores)."""
+    if not do_sample:
+        return scores.argmax(-1)
+    return torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+
+
+def _draft(batch: RaggedBatch, processor: RaggedLogitsProcessor, draft_logits: torch.Tensor, do_sample: bool):
+    """Draft logits `[B, k, V]` -> draft ids `[B, k]` (written as scratch after each row's prefix) and, when
+    sampling, q `[B, k, V]`. Slot j is processed with the prefix committed + drafts 1..j, one slot at a time when a
+    processor reads the prefix."""
+    num_slots = draft_logits.shape[1]
+    if not processor.reads_prefix:
+        scores = processor(batch, draft_logits)  # [B, k, V]
+        draft_ids = _select_tokens(scores.flatten(0, 1), do_sample).view(batch.size, num_slots)
+        batch.write(draft_ids)
+        return draft_ids, scores.softmax(-1) if do_sample else None
+    draft_ids, all_scores = [], []
+    for j in range(num_slots):
+        scores = processor(batch, draft_logits[:, j : j + 1], offset=j)[:, 0]
+        draft_ids.append(_select_tokens(scores, do_sample))
+        batch.write(draft_ids[-1][:, None], offset=j)
+        all_scores.append(scores)
+    draft_ids = torch.stack(draft_ids, dim=1)
+    return draft_ids, torch.stack(all_scores, dim=1).softmax(-1) if do_sample else None
+
+
+def _gather_cache_columns(cache: Cache, index: torch.LongTensor) -> None:
+    """Keeps, per row, the cache columns `index` (`[B, L]`) in every layer of a `DynamicCache`."""
+    for layer in cache.layers:
+        heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+        expanded = index[:, None, :, None].expand(-1, heads, -1, dim)
+        layer.keys = layer.keys.gather(2, expanded)
+        layer.values = layer.values.gather(2, expanded)
+
+
+def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
+    return [cache, *proposer.caches()]
+
+
+def _retire_rows(batch: RaggedBatch, caches: list[Cache], finished: torch.BoolTensor, draft_logits: torch.Tensor):
+    """Drops finished rows from the batch, the caches and the pending draft logits."""
+    if not finished.any():
+        return draft_logits
+    keep = (~finished).nonzero().squeeze(1)
+    batch.select_rows(keep)
+    for cache in caches:
+        cache.batch_select_indices(keep)
+    return draft_logits[keep]
+
+
+def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float) -> None:
+    """Gathers each row's valid cache columns to the right once holes reach `hole_fraction` of the columns."""
+    if batch.size and batch.hole_fraction() >= hole_fraction:
+        index = batch.compaction_index()
+        for cache in caches:
+            _gather_cache_columns(cache, index)
+        batch.compact(index)
+
+
+def _target_forward(model, input_ids, attention_mask, position_ids, cache, proposer, logits_to_keep):
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=proposer.requires_hidden_states,
+        logits_to_keep=logits_to_keep,
+    )
+
+
+def speculative_decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    proposer: Proposer | None = None,
+    speculative_streamer=None,
+    compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
+    **model_kwargs,
+):
+    """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
+
+    Args:
+        model: the target causal LM.
+        input_ids: `[B, P]` left-padded prompts (already expanded for `num_return_sequences`).
+        logits_processor, stopping_criteria, generation_config: as prepared by `generate`.
+        proposer: where drafts come from (`SpecFormerProposer`, `OracleProposer`, ...).
+        speculative_streamer: a streamer (batch size 1 only); the prompt is put first.
+        compaction_hole_fraction: compact the caches when holes reach this share of their columns (> 1: never).
+        model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
+    Returns:
+        `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
+        when `generation_config.return_dict_in_generate`.
+    """
+    if proposer is None:
+        raise ValueError("Speculative decoding needs `proposer=` (use `hf_specformer.generate(..., assistant_model=)`).")
+    cache = model_kwargs.get("past_key_values")
+    if not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0:
+        raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
+    do_sample = bool(generation_config.do_sample)
+    k = proposer.num_draft_tokens
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    batch = RaggedBatch.start(
+        input_ids, model_kwargs.get("attention_mask"), max_new_tokens + k + 1, _pad_token_id(generation_config)
+    )
+    processor = RaggedLogitsProcessor(logits_processor)
+    commit = _Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer)
+    stats = proposer.stats = SpecStats(num_draft_tokens=k)
+    proposer.start()
+    caches = _caches(cache, proposer)
+    if speculative_streamer is not None:
+        speculative_streamer.put(input_ids.cpu())
+
+    # Prefill: the prompt through the target; its last position gives the first token, the proposer the first drafts.
+    position_ids = batch.prompt_position_ids()
+    output = _target_forward(model, input_ids, batch.attention_mask, position_ids, cache, proposer, logits_to_keep=1)
+    batch.commit_prompt()
+    first = _select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
+    finished = commit(batch, first[:, None], torch.ones_like(first))
+    source_index = torch.full_like(first, input_ids.shape[1] - 1)
+    draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index)
+    draft_logits = _retire_rows(batch, caches, finished, draft_logits)
+
+    while batch.size > 0:
+        draft_ids, draft_probs = _draft(batch, processor, draft_logits, do_sample)
+        last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
+        step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, k + 1]
+        attention_mask, position_ids = batch.step_inputs(k + 1)
+        output = _target_forward(model, step_ids, attention_mask, position_ids, cache, proposer, logits_to_keep=0)
+        target_scores = processor(batch, output.logits)  # [B, k + 1, V]; drafts already in the scratch space
+        if do_sample:
+            tokens, num_accepted = verify_sampling(draft_ids, draft_probs, target_scores.softmax(-1))
+        else:
+            tokens, num_accepted = verify_greedy(draft_ids, target_scores)
+        stats.record(batch.row_ids, num_accepted, input_ids.shape[0])
+        batch.commit_cache(num_accepted + 1, k + 1)
+        finished = commit(batch, tokens, num_accepted + 1)
+        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted)
+        draft_logits = _retire_rows(batch, caches, finished, draft_logits)
+        _maybe_compact(batch, caches, compaction_hole_fraction)
+
+    if speculative_streamer is not None:
+        speculative_streamer.end()
+    sequences = batch.sequences()
+    if generation_config.return_dict_in_generate:
+        return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
+    return sequences

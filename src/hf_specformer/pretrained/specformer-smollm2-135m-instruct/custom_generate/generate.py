@@ -1,0 +1,126 @@
+"""`generate` with a SpecFormer drafter: batched, lossless speculative decoding inside `transformers`' `generate`.
+
+Two ways in, same function:
+
+    out = target.generate(**inputs, assistant_model=draft, custom_generate=drafter_dir, trust_remote_code=True)
+    out = hf_specformer.generate(target, **inputs, assistant_model=draft)
+
+This file is the drafter folder's `custom_generate/generate.py` (bundled with its sibling modules), so it imports
+only torch, transformers and siblings. Arguments beyond `generate`'s:
+    assistant_model: a SpecFormer drafter (bound to `model` here if it is not yet) or a `Proposer`.
+    num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`).
+    compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the
+        columns (default 0.5; above 1 never).
+Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
+(`SpecStats`: steps, tokens per step per row, acceptance per drafted position). After every call the same
+statistics are on the assistant as `assistant_model.speculation_stats`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+
+from .drafting import Proposer, SpecFormerProposer
+from .engine import COMPACTION_HOLE_FRACTION, speculative_decode
+
+UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def _make_proposer(model, assistant_model, num_draft_tokens: int | None) -> Proposer:
+    """The proposer behind `assistant_model`, bound to `model` and checked against it."""
+    if isinstance(assistant_model, Proposer):
+        if num_draft_tokens not in (None, assistant_model.num_draft_tokens):
+            raise ValueError(
+                f"num_draft_tokens={num_draft_tokens} differs from the proposer's {assistant_model.num_draft_tokens}."
+            )
+        return assistant_model
+    if assistant_model is None or getattr(assistant_model.config, "model_type", None) != "specformer":
+        raise ValueError(
+            "Speculative generation needs `assistant_model`: a SpecFormer drafter "
+            "(`AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)`) or a `Proposer`; got "
+            f"{type(assistant_model).__name__}."
+        )
+    if assistant_model.is_bound and not assistant_model.is_bound_to(model):
+        raise ValueError(
+            "This drafter is bound to another target model; load a fresh copy or call "
+            "`assistant_model.bind_target(target)` for this one."
+        )
+    if not assistant_model.is_bound:
+        assistant_model.bind_target(model)
+    if assistant_model.device != model.device:
+        raise ValueError(f"Drafter on {assistant_model.device} but target on {model.device}: move them together.")
+    return SpecFormerProposer(assistant_model, num_draft_tokens)
+
+
+def _check_arguments(model, inputs, generation_config, streamer, kwargs) -> None:
+    """Clear errors for what speculative generation does not do, before any work."""
+    config = copy.deepcopy(generation_config or model.generation_config)
+    unused = config.update(**kwargs)
+    if (config.num_beams or 1) > 1:
+        raise ValueError("Speculative generation does not support beam search (`num_beams > 1`).")
+    if (config.num_return_sequences or 1) > 1 and not config.do_sample:
+        raise ValueError("`num_return_sequences > 1` needs `do_sample=True`: greedy rows would be identical.")
+    if config.cache_implementation not in (None, "dynamic") or unused.get("past_key_values") is not None:
+        raise ValueError(
+            f"Speculative generation manages its own DynamicCache; got cache_implementation="
+            f"{config.cache_implementation!r}{' and past_key_values' if unused.get('past_key_values') else ''}."
+        )
+    requested = [name for name in UNSUPPORTED_OUTPUTS if getattr(config, name, False)]
+    if requested:
+        raise ValueError(f"Speculative generation returns sequences and statistics only; unsupported: {requested}.")
+    input_ids = inputs if inputs is not None else unused.get("input_ids")
+    if input_ids is None:
+        raise ValueError("Pass `input_ids` (or `inputs`): speculative generation needs a prompt.")
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError("A streamer needs batch size 1.")
+    pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    if isinstance(pad_token_id, list):
+        pad_token_id = pad_token_id[0]
+    if unused.get("attention_mask") is None and input_ids.shape[0] > 1 and pad_token_id is not None:
+        if bool((input_ids[:, 0] == pad_token_id).any()):
+            raise ValueError(
+                "The batch looks left-padded but no `attention_mask` was given: pass the tokenizer's attention_mask."
+            )
+
+
+@torch.no_grad()
+def generate(
+    model,
+    inputs: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    logits_processor=None,
+    stopping_criteria=None,
+    prefix_allowed_tokens_fn=None,
+    synced_gpus: bool | None = None,
+    assistant_model=None,
+    streamer=None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    num_draft_tokens: int | None = None,
+    compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
+    **kwargs,
+):
+    """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
+    if prefix_allowed_tokens_fn is not None or negative_prompt_ids is not None:
+        raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
+    proposer = _make_proposer(model, assistant_model, num_draft_tokens)
+    _check_arguments(model, inputs, generation_config, streamer, kwargs)
+    result = GenerationMixin.generate(
+        model,
+        inputs,
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        synced_gpus=synced_gpus,
+        custom_generate=speculative_decode,
+        proposer=proposer,
+        speculative_streamer=streamer,
+        compaction_hole_fraction=compaction_hole_fraction,
+        **kwargs,
+    )
+    if assistant_model is not proposer:
+        assistant_model.speculation_stats = proposer.stats
+    return result

@@ -1,0 +1,94 @@
+"""Speculation statistics of one `generate` call.
+
+Conventions (see `verification.py` for the terms): a *row-step* is one active row in one verification forward.
+`tokens_per_step` (kappa in the SpecFormer paper) is committed tokens per row-step and *counts the correction/bonus
+token*, so plain decoding scores 1.0 and k all-accepted drafts score k + 1. It is measured before EOS or length
+truncation, so it reflects the drafter, not where the text happens to end. The prefill forward is not a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpecStats:
+    """Counters filled by the engine; all per-row counts are summed over rows and steps.
+
+    Attributes:
+        num_draft_tokens: k, drafts proposed per row and step.
+        steps: verification forwards of the target.
+        row_steps: sum over steps of the active rows.
+        drafted: drafts verified (k per row-step).
+        accepted: drafts accepted.
+        accepted_at: `[k]` how often drafted position j (0-based) was accepted.
+        tokens_per_row_step: `[B0]` per original row, committed tokens per step (kappa of that row).
+    """
+
+    num_draft_tokens: int
+    steps: int = 0
+    row_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    _row_steps: torch.Tensor | None = None
+    _row_accepted: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.accepted_at = [0] * self.num_draft_tokens
+
+    def record(self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int) -> None:
+        """One verification step: `num_accepted[b]` of the k drafts of active row `row_ids[b]` were accepted."""
+        if self._row_steps is None:
+            self._row_steps = torch.zeros(batch_size, dtype=torch.long)
+            self._row_accepted = torch.zeros(batch_size, dtype=torch.long)
+        num_accepted = num_accepted.cpu()
+        rows = row_ids.cpu()
+        self.steps += 1
+        self.row_steps += rows.numel()
+        self.drafted += rows.numel() * self.num_draft_tokens
+        self.accepted += int(num_accepted.sum())
+        counts = torch.bincount(num_accepted, minlength=self.num_draft_tokens + 1)
+        at_least = counts.flip(0).cumsum(0).flip(0)  # at_least[j] = rows that accepted >= j drafts
+        for j in range(self.num_draft_tokens):
+            self.accepted_at[j] += int(at_least[j + 1])
+        self._row_steps[rows] += 1
+        self._row_accepted[rows] += num_accepted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """kappa: mean committed tokens per row-step, bonus/correction token included."""
+        return (self.accepted + self.row_steps) / max(self.row_steps, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens."""
+        return self.accepted / max(self.drafted, 1)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Share of row-steps whose drafted position j was accepted (needs all earlier ones accepted too)."""
+        return [count / max(self.row_steps, 1) for count in self.accepted_at]
+
+    @property
+    def tokens_per_row_step(self) -> list[float]:
+        """Per original row: committed tokens per step."""
+        if self._row_steps is None:
+            return []
+        return ((self._row_accepted + self._row_steps) / self._row_steps.clamp(min=1)).tolist()
+
+    def to_dict(self) -> dict:
+        """Plain numbers, for JSON reports."""
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "steps": self.steps,
+            "row_steps": self.row_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "tokens_per_step": self.tokens_per_step,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+            "tokens_per_row_step": self.tokens_per_row_step,
+        }

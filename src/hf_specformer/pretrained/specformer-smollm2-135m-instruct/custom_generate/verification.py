@@ -1,0 +1,76 @@
+"""Lossless acceptance of a chain of drafts: greedy matching and speculative (rejection) sampling.
+
+Terms, used the same way everywhere in this package:
+- *drafted*: the k tokens proposed for a row; *accepted*: the longest prefix the target keeps (0..k);
+- *correction* token: the target's own token at the first rejected position;
+- *bonus* token: the target's token after all k drafts were accepted;
+- *committed* tokens of a step: accepted drafts plus the one correction or bonus token (1..k+1 per row).
+
+Greedy (exact match): draft d_j is accepted while it equals argmax of the target's processed scores at j - 1.
+
+Sampling: Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", Algorithm 1, with the
+paper's names. For drafted position j (1-based) with target distribution p_j and draft distribution q_j (both after
+logits processing), accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample the
+correction from norm(max(p_j - q_j, 0)); after k acceptances sample the bonus from p_{k+1}. The committed tokens then
+follow exactly the target's distribution. Uniforms are drawn in float64 and compared as u * q <= p, so q(d) = 0
+(impossible for a sampled draft, but cheap to guard) means rejection rather than a division by zero.
+
+Each function returns `tokens [B, k + 1]` (committed tokens first, `EMPTY_SLOT` after) and `num_accepted [B]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EMPTY_SLOT = -1
+
+
+def _committed(draft_ids: torch.LongTensor, num_accepted: torch.LongTensor, last_token: torch.LongTensor):
+    """drafts `[B, k]`, num_accepted `[B]`, last_token `[B]` (correction/bonus) -> tokens `[B, k + 1]`."""
+    batch, k = draft_ids.shape
+    positions = torch.arange(k + 1, device=draft_ids.device)[None, :]
+    tokens = torch.cat([draft_ids, draft_ids.new_full((batch, 1), EMPTY_SLOT)], dim=1)
+    tokens = torch.where(positions == num_accepted[:, None], last_token[:, None], tokens)
+    return tokens.masked_fill(positions > num_accepted[:, None], EMPTY_SLOT)
+
+
+def verify_greedy(draft_ids: torch.LongTensor, target_scores: torch.Tensor):
+    """draft_ids `[B, k]`, target_scores `[B, k + 1, V]` -> tokens `[B, k + 1]`, num_accepted `[B]`."""
+    predictions = target_scores.argmax(dim=-1)  # [B, k + 1]
+    matches = (draft_ids == predictions[:, :-1]).long()
+    num_accepted = matches.cumprod(dim=1).sum(dim=1)
+    last_token = predictions.gather(1, num_accepted[:, None]).squeeze(1)
+    return _committed(draft_ids, num_accepted, last_token), num_accepted
+
+
+def verify_sampling(
+    draft_ids: torch.LongTensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+):
+    """Speculative sampling for a batch of chains.
+
+    Args:
+        draft_ids: `[B, k]` drafted tokens (sampled from `draft_probs`).
+        draft_probs: `[B, k, V]` q, the processed draft distributions the drafts were sampled from.
+        target_probs: `[B, k + 1, V]` p, the processed target distributions at the k drafted positions and after.
+    Returns:
+        tokens `[B, k + 1]`, num_accepted `[B]`.
+    """
+    batch, k = draft_ids.shape
+    p = target_probs[:, :k].gather(2, draft_ids[..., None]).squeeze(2).double()  # [B, k]
+    q = draft_probs.gather(2, draft_ids[..., None]).squeeze(2).double()
+    u = torch.rand(p.shape, dtype=torch.float64, device=p.device, generator=generator)
+    accepted = (u * q <= p) & (q > 0)
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+
+    # The distribution of the last committed token: residual at the first rejection, p_{k+1} after all accepted.
+    rows = torch.arange(batch, device=draft_ids.device)
+    p_last = target_probs[rows, num_accepted]  # [B, V]
+    q_last = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, num_accepted]
+    residual = (p_last - q_last).clamp(min=0)
+    empty = residual.sum(-1, keepdim=True) <= 0  # p == q exactly: rejection impossible, keep p
+    residual = torch.where(empty, p_last, residual)
+    last_token = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
+    return _committed(draft_ids, num_accepted, last_token), num_accepted
