@@ -5,9 +5,9 @@ For each batch size B, max(B, min_rows) prompts are cut into batches of B; every
 plain and speculative tokens/s (new tokens up to and including EOS, identical for both since outputs match),
 speedup, kappa (tokens per row per target forward), acceptance per drafted position, and the cost-model limit
 (k + 1) * t(B, 1) / t(B, k + 1) from timing one target forward of 1 and of k + 1 new tokens per row at that batch
-size over the batch's prompt cache. The prompt's prefill forward is the same work with or without speculation and
-the cost model leaves it out, so it is timed separately and the decode phase is compared too:
-decode speedup = (plain - prefill) / (speculative - prefill), and engine efficiency = decode speedup / limit. The
+size over a cache of the prompt plus half the continuation. The prompt's prefill forward is the same work with or
+without speculation and the cost model leaves it out, so it is timed separately and the decode phase is compared
+too: decode speedup = (plain - prefill) / (speculative - prefill), and engine efficiency = decode speedup / limit. The
 oracle proposer drafts the target's own greedy continuation (all drafts accepted), so its efficiency measures the
 engine apart from drafter quality.
 
@@ -49,7 +49,7 @@ class BenchConfig:
     min_rows: int = 8
     prompts: str | None = None
     threads: int = 2
-    limit_repeats: int = 7
+    limit_repeats: int = 15
     compaction_hole_fraction: float = 0.5
     output: str = "bench/results"
 
@@ -83,26 +83,26 @@ def prefill_seconds(target, batch: dict) -> float:
 
 
 @torch.no_grad()
-def forward_cost_limit(target, batch: dict, k: int, repeats: int) -> dict:
-    """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free."""
+def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.Tensor, k: int, repeats: int) -> dict:
+    """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free.
+
+    Timed over a realistic cache: `context` `[B, C]` is the prompt plus the first half of the plain continuation
+    (the mean cache length while decoding). The 1-token and (k + 1)-token forwards alternate, `repeats` times each,
+    and the medians are used, so drift on a shared machine hits both alike.
+    """
     cache = DynamicCache()
-    mask = batch["attention_mask"]
-    target(**batch, past_key_values=cache, logits_to_keep=1)
-    lengths = mask.sum(-1, keepdim=True)
-
-    def time_forward(num_tokens: int) -> float:
-        ids = batch["input_ids"][:, -num_tokens:]
-        step_mask = torch.cat([mask, torch.ones_like(ids)], 1)
-        times = []
-        for _ in range(repeats):
+    target(input_ids=context, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
+    lengths = attention_mask.sum(-1, keepdim=True)
+    times = {1: [], k + 1: []}
+    for _ in range(repeats):
+        for num_tokens in times:
+            ids = context[:, -num_tokens:]
             start = time.perf_counter()
-            target(ids, attention_mask=step_mask, position_ids=lengths + torch.arange(num_tokens),
-                   past_key_values=cache, logits_to_keep=0)
-            times.append(time.perf_counter() - start)
+            target(ids, attention_mask=torch.cat([attention_mask, torch.ones_like(ids)], 1),
+                   position_ids=lengths + torch.arange(num_tokens), past_key_values=cache, logits_to_keep=0)
+            times[num_tokens].append(time.perf_counter() - start)
             cache.crop(-num_tokens)
-        return statistics.median(times)
-
-    t1, tk = time_forward(1), time_forward(k + 1)
+    t1, tk = statistics.median(times[1]), statistics.median(times[k + 1])
     return {"t_forward_1": t1, "t_forward_k_plus_1": tk, "limit": (k + 1) * t1 / tk}
 
 
@@ -135,7 +135,10 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
         prefill_time += prefill_seconds(target, batch)
         tokens += count_new_tokens(reference, batch["input_ids"].shape[1], eos)
         references.append(reference)
-    limit = forward_cost_limit(target, batches[0], config.num_draft_tokens, config.limit_repeats)
+    width = batches[0]["input_ids"].shape[1]
+    context = references[0][:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
+    context_mask = torch.cat([batches[0]["attention_mask"], torch.ones_like(context[:, width:])], 1)
+    limit = forward_cost_limit(target, context, context_mask, config.num_draft_tokens, config.limit_repeats)
     rows = []
     for mode in config.modes:
         spec_time, mismatched, kappas, per_position = 0.0, 0, [], []
@@ -149,7 +152,8 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
                 compaction_hole_fraction=config.compaction_hole_fraction, return_dict_in_generate=True, **gen_kwargs,
             ))
             spec_time += seconds
-            mismatched += int((output.sequences != reference).any(1).sum()) if output.sequences.shape == reference.shape else len(reference)
+            same_shape = output.sequences.shape == reference.shape
+            mismatched += int((output.sequences != reference).any(1).sum()) if same_shape else len(reference)
             kappas.append(output.speculation_stats.tokens_per_step)
             per_position.append(output.speculation_stats.acceptance_by_position)
         decode_speedup = (plain_time - prefill_time) / (spec_time - prefill_time)

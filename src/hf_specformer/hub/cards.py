@@ -92,8 +92,8 @@ def _benchmark_section(bench_report: dict | None, drafter_mode: str | None) -> t
     ]
     lines += [
         f"| {r['batch_size']} | {r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-        f"{r['decode_speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['num_batches'] * r['batch_size'] - r['mismatched_rows']}/"
-        f"{r['num_batches'] * r['batch_size']} |"
+        f"{r['decode_speedup']:.2f}x | {r['tokens_per_step']:.2f} | "
+        f"{r['num_batches'] * r['batch_size'] - r['mismatched_rows']}/{r['num_batches'] * r['batch_size']} |"
         for r in rows
     ]
     metrics = [_metric(f"speedup_bs{r['batch_size']}", r["speedup"], "mt-bench") for r in rows]
