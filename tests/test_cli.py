@@ -37,3 +37,18 @@ def test_export_writes_hub_folder_with_card(tmp_path):
     card = (folder / "README.md").read_text()
     assert "base_model:" in card and "speculative-decoding" in card and "| 2 | 1.800 |" in card
     assert f"parameters: {drafter.num_parameters() / 1e6:.2f}M" in card
+
+
+def test_shipped_drafter_folder_carries_the_current_code():
+    """The shipped Hub folder's remote code is the package's own (re-export it after changing either)."""
+    from pathlib import Path
+
+    from hf_specformer.demo import shipped_drafter_dir
+    from hf_specformer.hub.export import generation_sources
+
+    folder = shipped_drafter_dir()
+    package = Path(__file__).resolve().parents[1] / "src" / "hf_specformer"
+    for source in generation_sources():
+        assert (folder / "custom_generate" / source.name).read_text() == source.read_text(), source.name
+    for name in ("configuration_specformer.py", "modeling_specformer.py"):
+        assert (folder / name).read_text() == (package / "models" / "specformer" / name).read_text(), name

@@ -190,7 +190,7 @@ def speculative_decode(
         when `generation_config.return_dict_in_generate`.
     """
     if proposer is None:
-        raise ValueError("Speculative decoding needs `proposer=` (use `hf_specformer.generate(..., assistant_model=)`).")
+        raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
     cache = model_kwargs.get("past_key_values")
     if not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
