@@ -31,7 +31,7 @@ def shipped_drafter_dir() -> Path:
 def load_drafter(path: str | None, target) -> SpecFormerForDrafting:
     """A drafter folder (remote-code loading, as a Hub user would), or a fresh one if `path` is `untrained`."""
     if path == "untrained":
-        return SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).eval()
+        return SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).eval().bind_target(target)
     folder = Path(path) if path else shipped_drafter_dir()
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"No drafter at {folder}; pass --drafter DIR or --drafter untrained.")
@@ -59,7 +59,7 @@ def timed_generate(fn) -> tuple[torch.Tensor, float]:
 def run_demo(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target(args.target), load_tokenizer(args.target)
-    drafter = load_drafter(args.drafter, target).bind_target(target)
+    drafter = load_drafter(args.drafter, target)
     print(f"drafter: {drafter.num_parameters() / 1e6:.2f}M parameters (excluding the target's shared lm_head), "
           f"l_d={drafter.config.draft_length}, hooks={drafter.config.hook_layers}")
     prompts = load_prompts(args.prompts)[: args.batch_size]
