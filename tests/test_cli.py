@@ -39,6 +39,22 @@ def test_export_writes_hub_folder_with_card(tmp_path):
     assert f"parameters: {drafter.num_parameters() / 1e6:.2f}M" in card
 
 
+def test_export_sets_a_draft_vocabulary_from_distilled_data(tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModel
+
+    make_drafter(make_target("llama")).save_pretrained(tmp_path / "trained")
+    Dataset.from_list([{"input_ids": [1, 2, 9, 9, 7], "prompt_length": 2},
+                       {"input_ids": [2, 7, 9, 5], "prompt_length": 1}]).save_to_disk(str(tmp_path / "data"))
+    export = ["export", "--drafter", str(tmp_path / "trained"), "--output", str(tmp_path / "hub")]
+    cli.main(export + ["--draft-vocab-size", "2", "--draft-vocab-data", str(tmp_path / "data")])
+    exported = AutoModel.from_pretrained(tmp_path / "hub", trust_remote_code=True)
+    assert exported.config.draft_vocab_size == 2 and exported.draft_vocab_ids.tolist() == [9, 7]  # 3 and 2 uses
+    assert "draft vocabulary: 2 tokens" in (tmp_path / "hub" / "README.md").read_text()
+    with pytest.raises(SystemExit):
+        cli.main(export + ["--draft-vocab-size", "2"])
+
+
 def test_shipped_drafter_folder_carries_the_current_code():
     """The shipped Hub folder's remote code is the package's own (re-export it after changing either)."""
     from pathlib import Path

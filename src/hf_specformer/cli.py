@@ -26,10 +26,23 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--bench", default=None, help="benchmark JSON to report in the card")
     parser.add_argument("--bench-mode", default=None, help="the benchmark mode (drafter path) to report")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="draft only the N most frequent reply tokens of --draft-vocab-data (0: whole vocabulary)")
+    parser.add_argument("--draft-vocab-data", default=None, help="distilled data the draft vocabulary is counted on")
     args = parser.parse_args(argv)
+    if args.draft_vocab_size and args.draft_vocab_data is None:
+        parser.error("--draft-vocab-size N > 0 needs --draft-vocab-data")
+    if args.draft_vocab_data is not None and args.draft_vocab_size is None:
+        parser.error("--draft-vocab-data needs --draft-vocab-size")
     import torch
 
     drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True, dtype=torch.float32)
+    if args.draft_vocab_size is not None:
+        from .training.train_drafter import load_distilled, reply_vocabulary
+
+        vocabulary = reply_vocabulary(load_distilled(args.draft_vocab_data), args.draft_vocab_size) \
+            if args.draft_vocab_size else None
+        drafter.set_draft_vocab(vocabulary)
     card = render_card(drafter, eval_path=args.eval, bench_path=args.bench, drafter_mode=args.bench_mode)
     print(export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype)))
 

@@ -23,6 +23,8 @@ CASES = {
     "qwen3-b32-k2-noisy-pad-eos": ("qwen3", "noisy", 32, 2, True, "mid", 20),
     "qwen3-b12-k1-oracle-pad-len1": ("qwen3", "oracle", 12, 1, True, None, 1),
     "qwen3-b7-k3-noisy-pad-eos": ("qwen3", "noisy", 7, 3, True, "several", 33),
+    "llama-b4-k3-vocab-pad-eos": ("llama", "vocab", 4, 3, True, "mid", 20),
+    "qwen3-b6-k4-vocab-pad": ("qwen3", "vocab", 6, 4, True, None, 18),
 }
 
 
@@ -50,11 +52,13 @@ def test_greedy_equals_generate(case):
     new_tokens = reference[:, input_ids.shape[1]:]
     assistant = {
         "untrained": lambda: make_drafter(target, draft_length=4),
+        "vocab": lambda: make_drafter(target, draft_length=4).set_draft_vocab(torch.randperm(TINY_VOCAB)[:40]),
         "oracle": lambda: OracleProposer(new_tokens, k, TINY_VOCAB, PAD),
         "noisy": lambda: noisy_oracle(new_tokens, k, TINY_VOCAB, corrupt=0.3),
     }[drafter_kind]()
     output = assert_same_as_generate(
-        target, assistant, input_ids, mask, num_draft_tokens=None if drafter_kind != "untrained" else k, **kwargs
+        target, assistant, input_ids, mask, num_draft_tokens=k if drafter_kind in ("untrained", "vocab") else None,
+        **kwargs
     )
     stats = output.speculation_stats
     assert stats.steps >= 0 and len(stats.accepted_at) == k

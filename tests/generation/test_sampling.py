@@ -57,19 +57,21 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "sampling",
-    [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.0, "top_p": 0.8}],
-    ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8"],
+    "sampling, draft_vocab, seed",
+    [({"temperature": 1.0}, None, 1234), ({"temperature": 0.8, "top_k": 5}, None, 1234),
+     ({"temperature": 1.0, "top_p": 0.8}, None, 1234), ({"temperature": 1.0}, [0, 2, 3, 5, 8, 11], 7)],
+    ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab"],
 )
-def test_joint_of_first_three_tokens_matches_target(sampling):
+def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, seed):
+    """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest."""
     target = sharp_target()
-    drafter = make_drafter(target, draft_length=4)
+    drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
     prompt = torch.tensor([3, 7, 1, 5])
     config = GenerationConfig(do_sample=True, max_new_tokens=NEW_TOKENS, pad_token_id=0, **sampling)
     processors = target._get_logits_processor(generation_config=config, input_ids_seq_length=len(prompt))
     reference = exact_joint(target, prompt, processors)
 
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     rows = []
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
         out = generate(

@@ -140,6 +140,23 @@ def test_binding_to_mismatched_target_raises(target):
         unbound(hooked_states(target, drafter, torch.randint(3, 90, (1, 4))))
 
 
+def test_draft_vocabulary_restricts_drafts(target, drafter):
+    states = hooked_states(target, drafter, torch.randint(3, 90, (2, 6)))
+    full = drafter(states, num_draft_tokens=3).logits
+    ids = torch.tensor([50, 7, 3, 88, 21])
+    restricted = drafter.set_draft_vocab(ids)(states, num_draft_tokens=3).logits
+    assert drafter.config.draft_vocab_size == 5 and restricted.shape == full.shape
+    torch.testing.assert_close(restricted[..., ids], full[..., ids], rtol=0, atol=1e-12)
+    outside = torch.ones(full.shape[-1], dtype=torch.bool).index_fill_(0, ids, False)
+    assert torch.isneginf(restricted[..., outside]).all()
+    assert set(restricted.argmax(-1).unique().tolist()) <= set(ids.tolist())
+    for bad in ([], [1, 1], [-1], [target.config.vocab_size]):
+        with pytest.raises(ValueError, match="distinct token ids"):
+            drafter.set_draft_vocab(bad)
+    torch.testing.assert_close(drafter.set_draft_vocab(None)(states, num_draft_tokens=3).logits, full, rtol=0, atol=0)
+    assert drafter.config.draft_vocab_size is None
+
+
 def test_checkpoint_excludes_target_weights(target, drafter, tmp_path):
     drafter.save_pretrained(tmp_path)
     from safetensors import safe_open
@@ -151,9 +168,10 @@ def test_checkpoint_excludes_target_weights(target, drafter, tmp_path):
 
 
 def test_hub_round_trip_in_clean_process(target, drafter, tmp_path):
-    """Save, then load with trust_remote_code in a subprocess that cannot import hf_specformer."""
+    """Save, then load with trust_remote_code in a subprocess that cannot import hf_specformer (with a draft
+    vocabulary, which travels in the weights)."""
     save_dir = tmp_path / "drafter"
-    drafter.save_pretrained(save_dir)
+    drafter.set_draft_vocab([9, 4, 60, 33, 12, 80]).save_pretrained(save_dir)
     config = json.loads((save_dir / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_specformer.SpecFormerConfig",

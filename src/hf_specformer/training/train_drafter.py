@@ -1,9 +1,12 @@
 """Training a SpecFormer drafter on self-distilled data with `accelerate` (paper: Shi et al., AAAI-26, sec. 3).
 
-The target stays frozen: each batch runs through it once under `torch.no_grad()` (online, right-padded with an
-attention mask) for the four hooked hidden states. The drafter's context stage runs over every position; its slot
-stage runs at a random subset of positions per sequence (`positions_per_sequence`). Slot j at position t is trained
-with cross-entropy on token x_{t+2+j} of the assistant reply, all slots weighted equally.
+The target stays frozen: each sequence runs through it under `torch.no_grad()` (online, one sequence at a time so
+that its states never depend on the batch) for the four hooked hidden states; `cache_target_states` keeps them in
+memory for later epochs. The drafter's context stage runs over every position; its slot stage runs at a random
+subset of positions per sequence (`positions_per_sequence`). Slot j at position t is trained with cross-entropy on
+token x_{t+2+j} of the assistant reply (at `ce_positions_per_sequence` of those positions), all slots weighted
+equally, plus, optionally, a feature loss against the target's last hidden state at t + 1 + j
+(`feature_loss_weight`, see `DrafterTrainingConfig`).
 
 The vocabulary-sized logits are never materialised for all slots at once ("intra-batch gradient accumulation",
 `intra_batch_backward`): one SpecFormer forward, then per slot a head forward and backward into a detached copy of
@@ -26,10 +29,11 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,10 +84,23 @@ class DrafterTrainingConfig:
         adam_eps: AdamW epsilon.
         max_grad_norm: gradient clipping norm; 0 disables clipping.
         max_length: sequences are cut to this many tokens (prompt included).
-        positions_per_sequence: the slot stage (and its l_d lm_head calls) runs only at this many random reply
-            positions per sequence, while the cheap context stage covers every position. On a CPU the slot stage
-            dominates the cost, so sampling trades a little data efficiency for a several-fold faster step. 0 uses
-            every valid position.
+        positions_per_sequence: the slot stage runs only at this many random reply positions per sequence, while
+            the cheap context stage covers every position. 0 uses every valid position.
+        ce_positions_per_sequence: the l_d lm_head calls of the cross-entropy, which dominate a CPU step (V = 49152
+            columns against d = 576), run only at this many of the slot-stage positions (a random subset); 0 uses
+            all of them.
+        feature_loss_weight: weight w of an auxiliary loss (not in the paper's final recipe; its code keeps an
+            unused MSE-to-last-hidden-state option): smooth-L1 between the target's final norm of slot j's state at
+            position t and the target's own last hidden state at t + 1 + j, which its lm_head turns into the
+            distribution of x_{t+2+j}. It carries the target's whole next-token distribution rather than one
+            label (as EAGLE's feature loss does) and costs d instead of V per slot, so it runs at every slot-stage
+            position. The loss is `mean_j (CE_j + w * feature_j)`; 0 disables it.
+        cache_target_states: keep each training sequence's target states (4 hooked + the last hidden state) in
+            memory after its first forward, so later epochs skip the target. Costs about T * 5 * d * 4 bytes of RAM
+            per sequence (1.5 GB for 1000 sequences of 170 tokens with d = 576).
+        draft_vocab_size: before the final evaluation and export, restrict drafting to the N most frequent reply
+            tokens of the training split (`SpecFormerForDrafting.set_draft_vocab`): the draft head then reads N rows
+            of the lm_head instead of V. Training always scores the whole vocabulary. 0: no restriction.
         eval_fraction: share of the sequences held out (seeded shuffle) to measure the accepted length kappa.
         eval_every: evaluate every this many optimiser steps (0: only at the end).
         save_every: checkpoint every this many optimiser steps (0: never).
@@ -113,6 +130,18 @@ class DrafterTrainingConfig:
     positions_per_sequence: int = field(
         default=64, metadata={"help": "Random reply positions per sequence for the slot stage (0: all)."}
     )
+    ce_positions_per_sequence: int = field(
+        default=0, metadata={"help": "Of those, how many also get the cross-entropy (0: all of them)."}
+    )
+    feature_loss_weight: float = field(
+        default=0.0, metadata={"help": "Weight of the feature loss against the target's last hidden state (0: off)."}
+    )
+    cache_target_states: bool = field(
+        default=False, metadata={"help": "Keep each training sequence's target states in memory after its first pass."}
+    )
+    draft_vocab_size: int = field(
+        default=0, metadata={"help": "Draft only the N most frequent reply tokens of the training data (0: all)."}
+    )
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of sequences held out for evaluation."})
     eval_every: int = field(default=500, metadata={"help": "Evaluate every N optimiser steps (0: at the end)."})
     save_every: int = field(default=500, metadata={"help": "Checkpoint every N optimiser steps (0: never)."})
@@ -129,8 +158,9 @@ class DrafterTrainingConfig:
 
     def __post_init__(self):
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps")
-        non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "eval_every", "save_every",
-                        "num_threads", "min_learning_rate")
+        non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "ce_positions_per_sequence",
+                        "feature_loss_weight", "draft_vocab_size", "eval_every", "save_every", "num_threads",
+                        "min_learning_rate")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
@@ -193,6 +223,15 @@ def _read_complete_records(path: Path) -> list[dict]:
         {"input_ids": record["input_ids"], "prompt_length": record["prompt_length"]}
         for _, record in sorted(records.items())
     ]
+
+
+def reply_vocabulary(dataset: Dataset, size: int) -> list[int]:
+    """The `size` most frequent reply tokens (after `prompt_length`) of `dataset`, most frequent first, ties by id;
+    all of them when fewer distinct tokens occur."""
+    counts = Counter()
+    for ids, prompt_length in zip(dataset["input_ids"], dataset["prompt_length"]):
+        counts.update(ids[prompt_length:])
+    return sorted(counts, key=lambda token: (-counts[token], token))[:size]
 
 
 def trainable_indices(dataset: Dataset, max_length: int) -> list[int]:
@@ -258,14 +297,14 @@ def sample_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions t where the slot stage runs: x_{t+2} exists and lies in the reply (t + 2 >= prompt length).
 
-    Draws `per_sequence` of them per sequence without replacement (all with 0 or when there are fewer).
-    Returns positions `[B, P]` (sorted, padded with 0) and their validity mask `[B, P]`.
+    Draws `per_sequence` of them per sequence without replacement (all with 0 or when there are fewer), in random
+    order, so that the first columns are a random subset of the drawn ones. Returns positions `[B, P]` (padded with
+    0) and their validity mask `[B, P]`.
     """
     chosen = []
     for length, prompt_length in zip(lengths, prompt_lengths):
         valid = range(max(int(prompt_length) - 2, 0), int(length) - 2)
-        picked = valid if per_sequence == 0 or len(valid) <= per_sequence else rng.sample(valid, per_sequence)
-        chosen.append(sorted(picked))
+        chosen.append(rng.sample(valid, len(valid) if per_sequence == 0 else min(per_sequence, len(valid))))
     width = max(1, max(len(picked) for picked in chosen))
     positions = torch.zeros((len(chosen), width), dtype=torch.long)
     mask = torch.zeros((len(chosen), width), dtype=torch.bool)
@@ -292,13 +331,33 @@ def slot_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
+class SlotLosses(NamedTuple):
+    """Losses of one micro-batch (floats): `total = mean_j (cross_entropy[j] + w * feature[j])`."""
+
+    total: float
+    cross_entropy: list[float]
+    feature: list[float]
+
+
+def slot_feature_loss(normalized: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean smooth-L1 (summed over d) between normalized slot states `[..., d]` and the target's last hidden states
+    `[..., d]` over the entries whose `labels` `[...]` are not -100 (0 if there are none)."""
+    dtype = torch.promote_types(normalized.dtype, torch.float32)
+    distance = F.smooth_l1_loss(normalized.to(dtype), targets.to(dtype), reduction="none").sum(-1)
+    valid = labels != IGNORE_INDEX
+    return (distance * valid).sum() / valid.sum().clamp(min=1)
+
+
 def intra_batch_backward(
     drafter: SpecFormerForDrafting,
     slot_hidden: torch.Tensor,
     labels: torch.Tensor,
     backward: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-) -> tuple[float, list[float]]:
-    """Backward of the mean over slots of the per-slot cross-entropy, one slot's logits at a time (paper sec. 3).
+    feature_targets: torch.Tensor | None = None,
+    feature_weight: float = 0.0,
+    num_ce_positions: int = 0,
+) -> SlotLosses:
+    """Backward of `mean_j (CE_j + w * feature_j)`, one slot's vocabulary-sized logits at a time (paper sec. 3).
 
     Args:
         drafter: the (unwrapped, bound) drafter whose `compute_logits` applies the target's norm and head.
@@ -306,31 +365,94 @@ def intra_batch_backward(
         labels: `[B, P, l_d]`, -100 where a slot has no target token.
         backward: `backward(tensor, gradient)` for the final backward through SpecFormer, e.g. a wrapper of
             `accelerator.backward`; default `tensor.backward(gradient)`.
+        feature_targets: `[B, P, l_d, d]` the target's last hidden state that predicts each slot's label; needed
+            when `feature_weight` > 0.
+        feature_weight: w (see `DrafterTrainingConfig.feature_loss_weight`).
+        num_ce_positions: the cross-entropy covers the first this many of the P positions (0: all).
 
-    Returns the total loss and the per-slot losses (floats). The gradients equal those of the plain loss
-    `mean_j CE_j` computed from all `[B, P, l_d, V]` logits at once, while only `[B, P, V]` logits live at a time.
+    The gradients equal those of the plain loss computed from all `[B, P, l_d, V]` logits at once, while only
+    `[B, P, V]` logits live at a time.
     """
     num_slots = slot_hidden.shape[2]
+    ce_columns = slice(0, num_ce_positions or None)
     detached = slot_hidden.detach().requires_grad_()
-    losses = []
+    cross_entropy, feature = [], []
     for slot in range(num_slots):
-        loss = slot_cross_entropy(drafter.compute_logits(detached[:, :, slot]), labels[:, :, slot])
+        states, slot_targets = detached[:, :, slot], labels[:, :, slot]
+        loss = slot_cross_entropy(drafter.compute_logits(states[:, ce_columns]), slot_targets[:, ce_columns])
+        cross_entropy.append(loss.detach())
+        if feature_weight > 0:
+            feature_loss = slot_feature_loss(drafter.normalize(states), feature_targets[:, :, slot], slot_targets)
+            feature.append(feature_loss.detach())
+            loss = loss + feature_weight * feature_loss
         (loss / num_slots).backward()
-        losses.append(loss.detach())
     (backward or torch.Tensor.backward)(slot_hidden, detached.grad)
-    per_slot = torch.stack(losses).tolist()
-    return sum(per_slot) / num_slots, per_slot
+    cross_entropy = torch.stack(cross_entropy).tolist()
+    feature = torch.stack(feature).tolist() if feature else [0.0] * num_slots
+    total = sum(ce + feature_weight * f for ce, f in zip(cross_entropy, feature)) / num_slots
+    return SlotLosses(total, cross_entropy, feature)
 
 
 @torch.no_grad()
+def target_hidden_states(
+    target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The target's L + 1 hidden states `[B, T, d]` of a (right-padded) batch, without gradients."""
+    output = target(
+        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False, logits_to_keep=1
+    )
+    return output.hidden_states
+
+
 def hooked_target_states(
     target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """The drafter's 4 hooked target states `[B, T, d]` of a (right-padded) batch, without gradients."""
-    output = target(
-        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False, logits_to_keep=1
-    )
-    return drafter.select_hooked_states(output.hidden_states)
+    return drafter.select_hooked_states(target_hidden_states(target, input_ids, attention_mask))
+
+
+class TargetStateCache:
+    """The frozen target's states a training step reads, per sequence: the 4 hooked states `[T, 4, d]` and the last
+    hidden state `[T, d]` (the feature-loss target; a view of the hooked ones when layer L is hooked).
+
+    Each sequence runs through the target on its own (no padding), so its states never depend on the batch it
+    lands in and a resumed run sees the same numbers. With `keep`, they stay in memory after the first pass.
+    """
+
+    def __init__(self, target: PreTrainedModel, drafter: SpecFormerForDrafting, keep: bool):
+        self.target, self.drafter, self.keep = target, drafter, keep
+        self.memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def sequence(self, row_id: int, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """States of one sequence `[T]`: hooked `[T, 4, d]` and last `[T, d]`."""
+        if row_id in self.memory:
+            return self.memory[row_id]
+        ids = input_ids[None]
+        hidden_states = target_hidden_states(self.target, ids, torch.ones_like(ids))
+        hooked = torch.stack(self.drafter.select_hooked_states(hidden_states), dim=2)[0]
+        hook_layers = list(self.drafter.config.hook_layers)
+        last_layer = len(hidden_states) - 1
+        last = hooked[:, hook_layers.index(last_layer)] if last_layer in hook_layers else hidden_states[-1][0]
+        if self.keep:
+            self.memory[row_id] = (hooked, last)
+        return hooked, last
+
+    def batch(self, row_ids: Sequence[int], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded (with zeros) states of a micro-batch: hooked `[B, T, 4, d]` and last `[B, T, d]`."""
+        states = [self.sequence(row_id, ids[:length]) for row_id, ids, length in
+                  zip(row_ids, batch.input_ids, batch.lengths.tolist())]
+        hooked = torch.nn.utils.rnn.pad_sequence([hooked for hooked, _ in states], batch_first=True)
+        last = torch.nn.utils.rnn.pad_sequence([last for _, last in states], batch_first=True)
+        return hooked, last
+
+
+def future_states(last: torch.Tensor, positions: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Feature targets `[B, P, l_d, d]`: the last hidden state at t + 1 + j for slot j at position t (clamped to the
+    batch width; entries past a sequence's end are masked by their -100 labels)."""
+    index = positions[..., None] + 1 + torch.arange(num_slots, device=positions.device)  # [B, P, l_d]
+    index = index.clamp(max=last.shape[1] - 1).flatten(1)
+    gathered = last.gather(1, index[..., None].expand(-1, -1, last.shape[-1]))
+    return gathered.view(*positions.shape, num_slots, last.shape[-1])
 
 
 # ----- learning rate -------------------------------------------------------------------------------------------
@@ -528,8 +650,8 @@ def total_optimizer_steps(config: DrafterTrainingConfig, batches_per_epoch: int)
 
 def micro_batches(
     dataset: Dataset, config: DrafterTrainingConfig, accelerator: Accelerator, state: TrainerState
-) -> Iterator[tuple[int, int, Batch, random.Random]]:
-    """Endless `(epoch, batch index, batch, position rng)` from `state.epoch` / `state.batch_index` on."""
+) -> Iterator[tuple[int, int, list[int], Batch, random.Random]]:
+    """Endless `(epoch, batch index, row ids, batch, position rng)` from `state.epoch` / `state.batch_index` on."""
     epoch, first = state.epoch, state.batch_index
     while True:
         batches = epoch_batches(
@@ -538,27 +660,31 @@ def micro_batches(
         )
         for index in range(first, len(batches)):
             rng = random.Random(f"positions-{config.seed}-{epoch}-{index}-{accelerator.process_index}")
-            yield epoch, index, collate(dataset[batches[index]], config.max_length).to(accelerator.device), rng
+            rows = batches[index]
+            yield epoch, index, rows, collate(dataset[rows], config.max_length).to(accelerator.device), rng
         epoch, first = epoch + 1, 0
 
 
 def train_micro_batch(
-    accelerator: Accelerator, target: PreTrainedModel, drafter: torch.nn.Module, batch: Batch, rng: random.Random,
-    config: DrafterTrainingConfig,
-) -> tuple[float, list[float]]:
+    accelerator: Accelerator, target_states: TargetStateCache, drafter: torch.nn.Module, row_ids: list[int],
+    batch: Batch, rng: random.Random, config: DrafterTrainingConfig,
+) -> SlotLosses:
     """Forward and backward of one micro-batch; `drafter` is the prepared (possibly DDP-wrapped) module."""
     unwrapped = accelerator.unwrap_model(drafter)
     with accelerator.autocast():
-        hooked = hooked_target_states(target, unwrapped, batch.input_ids, batch.attention_mask)
+        hooked, last = target_states.batch(row_ids, batch)
         positions, mask = sample_positions(batch.lengths.tolist(), batch.prompt_lengths.tolist(),
                                            config.positions_per_sequence, rng)
         positions, mask = positions.to(accelerator.device), mask.to(accelerator.device)
         output = drafter(hooked, attention_mask=batch.attention_mask, use_cache=False, draft_positions=positions,
                          num_draft_tokens=config.draft_length, return_logits=False)
         labels = slot_labels(batch, positions, mask, config.draft_length)
+        features = future_states(last, positions, config.draft_length) if config.feature_loss_weight > 0 else None
         return intra_batch_backward(
             unwrapped, output.slot_hidden_states, labels,
             backward=lambda tensor, gradient: accelerator.backward(tensor, gradient=gradient),
+            feature_targets=features, feature_weight=config.feature_loss_weight,
+            num_ce_positions=config.ce_positions_per_sequence,
         )
 
 
@@ -566,25 +692,29 @@ class WindowStats:
     """Losses, tokens and time of the micro-batches of one optimiser step."""
 
     def __init__(self):
-        self.losses: list[list[float]] = []
+        self.losses: list[SlotLosses] = []
         self.tokens = 0
         self.sequences = 0
         self.start = time.perf_counter()
 
-    def add(self, per_slot: list[float], batch: Batch) -> None:
-        self.losses.append(per_slot)
+    def add(self, losses: SlotLosses, batch: Batch) -> None:
+        self.losses.append(losses)
         self.tokens += int(batch.lengths.sum())
         self.sequences += batch.lengths.shape[0]
 
     def summary(self, accelerator: Accelerator) -> dict:
-        """Loss averaged over micro-batches and processes, token and sequence rates over all processes."""
+        """Losses averaged over micro-batches and processes (`loss` is the total, `slot_losses` the per-slot
+        cross-entropy, `feature_losses` the per-slot feature loss), token and sequence rates over all processes."""
         device = accelerator.device
-        per_slot = accelerator.reduce(torch.tensor(self.losses, device=device).mean(0), reduction="mean")
+        rows = [[losses.total, *losses.cross_entropy, *losses.feature] for losses in self.losses]
+        means = accelerator.reduce(torch.tensor(rows, device=device).mean(0), reduction="mean").tolist()
         counts = accelerator.reduce(torch.tensor([self.tokens, self.sequences], device=device), reduction="sum")
         seconds = time.perf_counter() - self.start
+        num_slots = len(self.losses[0].cross_entropy)
         return {
-            "loss": per_slot.mean().item(),
-            "slot_losses": [round(value, 5) for value in per_slot.tolist()],
+            "loss": means[0],
+            "slot_losses": [round(value, 5) for value in means[1 : 1 + num_slots]],
+            "feature_losses": [round(value, 5) for value in means[1 + num_slots :]],
             "seconds": round(seconds, 3),
             "tokens_per_second": round(counts[0].item() / seconds, 1),
             "sequences_per_second": round(counts[1].item() / seconds, 3),
@@ -649,12 +779,13 @@ def train(
 
     bar = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     window = WindowStats()
+    target_states = TargetStateCache(target, accelerator.unwrap_model(drafter), keep=config.cache_target_states)
     batches = micro_batches(train_set, config, accelerator, state)
     while state.step < total_steps:
-        epoch, index, batch, rng = next(batches)
+        epoch, index, row_ids, batch, rng = next(batches)
         with accelerator.accumulate(drafter):
-            _, per_slot = train_micro_batch(accelerator, target, drafter, batch, rng, config)
-        window.add(per_slot, batch)
+            losses = train_micro_batch(accelerator, target_states, drafter, row_ids, batch, rng, config)
+        window.add(losses, batch)
         state.epoch, state.batch_index = epoch, index + 1
         if not accelerator.sync_gradients:
             continue
@@ -679,6 +810,8 @@ def train(
         window = WindowStats()
     bar.close()
 
+    if config.draft_vocab_size:
+        accelerator.unwrap_model(drafter).set_draft_vocab(reply_vocabulary(train_set, config.draft_vocab_size))
     evaluation = run_evaluation(accelerator, target, drafter, eval_set, config, state, metrics_path)
     unwrapped = accelerator.unwrap_model(drafter)
     if accelerator.is_main_process:

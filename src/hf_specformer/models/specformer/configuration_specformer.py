@@ -36,6 +36,11 @@ class SpecFormerConfig(PreTrainedConfig):
         target_model_type (`str`, *optional*): `model_type` of the target the drafter was built for.
         target_architecture (`str`, *optional*): class name of that target (e.g. `LlamaForCausalLM`).
         target_name_or_path (`str`, *optional*): where that target came from, for model cards and error messages.
+        draft_vocab_size (`int`, *optional*): V_d. When set, drafts come only from the V_d token ids in the
+            model's `draft_vocab_ids` buffer (saved with the weights; see `SpecFormerForDrafting.set_draft_vocab`),
+            so the draft head multiplies by V_d rows of the target's lm_head instead of all V (a reduced draft
+            vocabulary, as in EAGLE-3 and FR-Spec). The other tokens get logit -inf. Verification still uses the
+            target's full distribution, so outputs are unchanged. `None`: the whole vocabulary.
         attention_dropout (`float`): dropout on attention probabilities during training.
         initializer_range (`float`): std of the normal init of linear weights.
     """
@@ -59,6 +64,7 @@ class SpecFormerConfig(PreTrainedConfig):
     target_model_type: str | None = None
     target_architecture: str | None = None
     target_name_or_path: str | None = None
+    draft_vocab_size: int | None = None
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
 
@@ -94,6 +100,10 @@ class SpecFormerConfig(PreTrainedConfig):
             raise ValueError(
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
                 f"({self.num_key_value_heads})."
+            )
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"`draft_vocab_size` ({self.draft_vocab_size}) must be between 1 and `vocab_size` ({self.vocab_size})."
             )
         if self.hidden_size < 1 or self.head_dim < 1 or self.num_target_layers < 1:
             raise ValueError(

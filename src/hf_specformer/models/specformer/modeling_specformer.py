@@ -288,6 +288,8 @@ class SpecFormerPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
         elif isinstance(module, SpecFormerRotaryEmbedding):  # non-persistent: rebuilt after meta-device loading
             init.copy_(module.inv_freq, module.compute_inv_freq()[0])
+        elif isinstance(module, SpecFormerForDrafting) and module.draft_vocab_ids is not None:
+            init.copy_(module.draft_vocab_ids, torch.arange(module.draft_vocab_ids.numel()))  # placeholder ids
 
 
 class SpecFormerForDrafting(SpecFormerPreTrainedModel):
@@ -305,7 +307,10 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         self.rotary_emb = SpecFormerRotaryEmbedding(config)
         self.context_block = SpecFormerContextBlock(config)
         self.slot_block = SpecFormerSlotBlock(config)
+        draft_vocab_ids = None if config.draft_vocab_size is None else torch.arange(config.draft_vocab_size)
+        self.register_buffer("draft_vocab_ids", draft_vocab_ids, persistent=True)  # [V_d] or None
         self._target_head: tuple[nn.Module, nn.Module] | None = None  # (final norm, lm_head); never saved
+        self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None  # (key, weight, bias) cache
         self.post_init()
 
     # ----- binding to the target -------------------------------------------------------------------------------
@@ -356,12 +361,53 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
             )
         return tuple(all_hidden_states[index] for index in self.config.hook_layers)
 
-    def compute_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
-        """Target final norm then target lm_head: `[..., d]` -> `[..., V]` in the target's dtype."""
+    def normalize(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The target's final norm: `[..., d]` -> `[..., d]` in the target's dtype, the space of the target's own
+        last hidden state (`output_hidden_states[-1]`) that its lm_head reads."""
         if self._target_head is None:
             raise RuntimeError("Call `draft.bind_target(target)` before computing draft logits.")
         final_norm, lm_head = self._target_head
-        return lm_head(final_norm(slot_hidden_states.to(lm_head.weight.dtype)))
+        return final_norm(slot_hidden_states.to(lm_head.weight.dtype))
+
+    def compute_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Target final norm then the target's whole lm_head: `[..., d]` -> `[..., V]` in the target's dtype (what
+        training scores; drafting goes through `draft_logits`)."""
+        normalized = self.normalize(slot_hidden_states)
+        return self._target_head[1](normalized)
+
+    def draft_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Draft logits `[..., d]` -> `[..., V]`: `compute_logits`, or with a draft vocabulary only its V_d rows of
+        the lm_head, every other token at -inf."""
+        if self.draft_vocab_ids is None:
+            return self.compute_logits(slot_hidden_states)
+        normalized = self.normalize(slot_hidden_states)
+        weight, bias = self._draft_head_rows()
+        logits = normalized.new_full((*normalized.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(logits.ndim - 1, self.draft_vocab_ids, nn.functional.linear(normalized, weight, bias))
+
+    def set_draft_vocab(self, token_ids: Sequence[int] | torch.Tensor | None) -> "SpecFormerForDrafting":
+        """Restricts drafting to `token_ids` (saved with the weights; sets `config.draft_vocab_size`), or lifts the
+        restriction with None. Raises `ValueError` for ids outside the vocabulary or duplicates."""
+        if token_ids is None:
+            self.draft_vocab_ids, self.config.draft_vocab_size = None, None
+            return self
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        in_range = ids.numel() > 0 and 0 <= ids.min() and ids.max() < self.config.vocab_size
+        if not in_range or ids.unique().numel() != ids.numel():
+            raise ValueError(f"A draft vocabulary needs distinct token ids in [0, {self.config.vocab_size}).")
+        self.draft_vocab_ids = ids.to(self.device)
+        self.config.draft_vocab_size = ids.numel()
+        return self
+
+    def _draft_head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head rows of the draft vocabulary, gathered once and reused until the ids or the head change."""
+        lm_head = self._target_head[1]
+        ids = self.draft_vocab_ids
+        key = (lm_head.weight.data_ptr(), lm_head.weight._version, ids.data_ptr(), ids._version, ids.numel())
+        if self._draft_head is None or self._draft_head[0] != key:
+            bias = getattr(lm_head, "bias", None)
+            self._draft_head = (key, lm_head.weight[ids], None if bias is None else bias[ids])
+        return self._draft_head[1], self._draft_head[2]
 
     # ----- forward ---------------------------------------------------------------------------------------------
     def forward(
@@ -406,7 +452,7 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         context_states = self.context_block(hooked_states, position_embeddings, mask, past_key_values)  # [B, T, d]
         index = draft_positions[..., None].expand(-1, -1, context_states.shape[-1])
         slot_states = self.slot_block(torch.gather(context_states, 1, index), num_draft_tokens)  # [B, P, k, d]
-        logits = self.compute_logits(slot_states) if return_logits else None
+        logits = self.draft_logits(slot_states) if return_logits else None
         return SpecFormerOutput(logits=logits, slot_hidden_states=slot_states, past_key_values=past_key_values)
 
     def _stack_hooked_states(self, hooked_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
