@@ -18,6 +18,14 @@ def test_no_command_prints_usage(capsys):
     assert "hf-specformer demo" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["demo", "synthesize", "distill", "train", "bench", "export"])
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
 def test_bench_needs_a_mode():
     with pytest.raises(SystemExit, match="--oracle"):
         config_from_args(build_parser().parse_args([]))

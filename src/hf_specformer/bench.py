@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, DynamicCache
 
 from .generation import OracleProposer, generate
+from .generation.engine import target_forward
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, load_target, load_tokenizer
 from .training.data import find_shared_data, load_prompts
@@ -86,9 +87,11 @@ def prefill_seconds(target, batch: dict) -> float:
 def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.Tensor, k: int, repeats: int) -> dict:
     """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free.
 
+    t(B, 1) is the target's own forward of one new token per row (what plain `generate` runs); t(B, k + 1) the
+    engine's verification forward of k + 1 tokens per row (`target_forward`, with the hidden states a drafter reads).
     Timed over a realistic cache: `context` `[B, C]` is the prompt plus the first half of the plain continuation
-    (the mean cache length while decoding). The 1-token and (k + 1)-token forwards alternate, `repeats` times each,
-    and the medians are used, so drift on a shared machine hits both alike.
+    (the mean cache length while decoding). The two forwards alternate, `repeats` times each, and the medians are
+    used, so drift on a shared machine hits both alike.
     """
     cache = DynamicCache()
     target(input_ids=context, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
@@ -97,9 +100,13 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     for _ in range(repeats):
         for num_tokens in times:
             ids = context[:, -num_tokens:]
+            mask = torch.cat([attention_mask, torch.ones_like(ids)], 1)
+            positions = lengths + torch.arange(num_tokens)
             start = time.perf_counter()
-            target(ids, attention_mask=torch.cat([attention_mask, torch.ones_like(ids)], 1),
-                   position_ids=lengths + torch.arange(num_tokens), past_key_values=cache, logits_to_keep=0)
+            if num_tokens == 1:
+                target(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=0)
+            else:
+                target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)
             times[num_tokens].append(time.perf_counter() - start)
             cache.crop(-num_tokens)
     t1, tk = statistics.median(times[1]), statistics.median(times[k + 1])

@@ -47,9 +47,17 @@ def load_tokenizer(name_or_path: str = DEFAULT_TARGET) -> PreTrainedTokenizerBas
     return tokenizer
 
 
-def load_target(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A frozen causal LM in eval mode: `smollm2` (the default), a local folder, a `.gguf` file or a Hub name."""
+def default_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_target(
+    name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """A frozen causal LM in eval mode on `device`: `smollm2` (the default), a local folder, a `.gguf` file or a
+    Hub name."""
     path, extra = _resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     model.requires_grad_(False)
-    return model.eval()
+    return model.eval().to(device)

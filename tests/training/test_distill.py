@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_specformer.targets import load_tokenizer
 from hf_specformer.training.data import chat_prompt_ids, find_shared_data, load_prompts
-from hf_specformer.training.distill import cut_after_eos, distill
+from hf_specformer.training.distill import append_records, cut_after_eos, distill, read_records
+from hf_specformer.training.train_drafter import load_distilled
 
 PROMPTS = [
     "Hi!",
@@ -137,6 +138,19 @@ def test_distill_skips_prompts_over_the_token_limit(target, tokenizer, tmp_path)
     assert 0 < len(expected) < len(PROMPTS)
 
 
+def test_records_survive_unicode_line_separators(tmp_path):
+    """Records are written unescaped (ensure_ascii=False): a prompt holding U+2028, U+0085 or a form feed, which
+    `str.splitlines` would split on, must read back whole, for resuming and for training on a run in progress."""
+    path = tmp_path / "run" / "progress" / "records.jsonl"
+    path.parent.mkdir(parents=True)
+    records = [{"id": i, "prompt": f"line\u2028break\x85next\x0cpage {i}", "input_ids": [1, 2, 3 + i],
+                "prompt_length": 2, "response": "r\u2029"} for i in range(3)]
+    append_records(str(path), records)
+    assert "\u2028" in path.read_text()  # written raw, not escaped
+    assert read_records(str(path)) == {record["id"]: record for record in records}
+    assert load_distilled(tmp_path / "run")["input_ids"][:] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+
+
 def write_jsonl(path, rows) -> str:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
@@ -149,6 +163,7 @@ def test_load_prompts_detects_the_prompt_field(tmp_path):
     turns = write_jsonl(tmp_path / "t.jsonl", [{"turns": ["First turn", "Second turn"]}])
     assert load_prompts(turns) == ["First turn"]
     assert load_prompts(source, prompt_field="question", limit=1) == ["Why?"]
+    assert load_prompts([source, turns]) == ["Why?", "How?", "First turn"]  # several sources, each its own field
 
 
 def test_load_prompts_rejects_unknown_fields(tmp_path):

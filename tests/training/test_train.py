@@ -7,9 +7,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -268,6 +270,40 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, interruption):
     assert [r["loss"] for r in read_metrics(run_dir) if "loss" in r] == \
         [r["loss"] for r in read_metrics(tmp_path / "reference") if "loss" in r]
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step-3", "step-6"]
+
+
+def test_sigterm_checkpoints_and_resume_continues(tmp_path):
+    """A SIGTERM (a preempted job, `timeout`) ends training cleanly at an optimiser step with a checkpoint of that
+    step and no export; `--resume` then carries on from it to the end."""
+    make_target().float().save_pretrained(tmp_path / "target")
+    repetitive_dataset(num_rows=10).save_to_disk(str(tmp_path / "data"))
+    output_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "hf_specformer.train", "--target", str(tmp_path / "target"), "--data",
+        str(tmp_path / "data"), "--output-dir", str(output_dir), "--per-device-batch-size", "2", "--draft-length", "2",
+        "--eval-fraction", "0.2", "--save-every", "0", "--num-threads", "1", "--positions-per-sequence", "4",
+    ]
+    process = subprocess.Popen(command + ["--max-steps", "100000"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (output_dir / "metrics.jsonl").exists() or len(read_metrics(output_dir)) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-4000:]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-4000:]
+    assert "continue with --resume" in stderr
+
+    stopped_at = read_metrics(output_dir)[-1]["step"]
+    assert [path.name for path in (output_dir / "checkpoints").iterdir()] == [f"step-{stopped_at}"]
+    assert not (output_dir / "drafter").exists() and not (output_dir / "eval.json").exists()
+    final_step = stopped_at + 2
+    completed = subprocess.run(command + ["--max-steps", str(final_step), "--resume"], capture_output=True, text=True,
+                               timeout=240)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert [record["step"] for record in read_metrics(output_dir) if "loss" in record] == \
+        list(range(1, final_step + 1))
+    assert json.loads((output_dir / "eval.json").read_text())["step"] == final_step
+    assert (output_dir / "drafter" / "config.json").exists()
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from datasets import load_dataset
@@ -57,22 +58,27 @@ def _as_text(value) -> str:
 
 
 def load_prompts(
-    source: str | None = None,
+    source: str | Sequence[str] | None = None,
     *,
     prompt_field: str | None = None,
     split: str = "train",
     limit: int | None = None,
     shuffle_seed: int | None = None,
 ) -> list[str]:
-    """Non-empty prompts from `source` (a local file or Hub dataset; None: the set shipped in this package).
+    """Non-empty prompts from `source`: a local file or Hub dataset, several of them (concatenated in order), or
+    None for the set shipped in this package.
 
     The prompt column is `prompt_field`, or the first of `prompt`, `instruction`, `question`, `text`, `turns`
-    (whose first turn is taken). With `shuffle_seed`, prompts are shuffled deterministically before `limit`
-    keeps the first ones, so that a limited run still covers every part of a set sorted by source.
+    (whose first turn is taken), looked up in each source. With `shuffle_seed`, prompts are shuffled
+    deterministically before `limit` keeps the first ones, so that a limited run still covers every part of a set
+    sorted by source.
     """
-    rows = _load_rows(str(DEFAULT_PROMPTS_FILE) if source is None else source, split)
-    column = _prompt_column(rows.column_names, prompt_field)
-    prompts = [text for text in map(_as_text, rows[column]) if text]
+    sources = [str(DEFAULT_PROMPTS_FILE)] if source is None else [source] if isinstance(source, str) else list(source)
+    prompts = []
+    for name in sources:
+        rows = _load_rows(name, split)
+        column = _prompt_column(rows.column_names, prompt_field)
+        prompts.extend(text for text in map(_as_text, rows[column]) if text)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(prompts)
     return prompts if limit is None else prompts[:limit]

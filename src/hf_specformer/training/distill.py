@@ -25,7 +25,7 @@ from datasets import Dataset, Features, List, Value
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_specformer.targets import DEFAULT_TARGET, load_target, load_tokenizer
+from hf_specformer.targets import DEFAULT_TARGET, default_device, load_target, load_tokenizer
 from hf_specformer.training.data import chat_prompt_ids, load_prompts
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ FEATURES = Features(
 )
 
 
-def run_meta(target: PreTrainedModel, prompts: list[str], max_new_tokens: int) -> dict:
-    """What a resumed run must share with the one that wrote the progress: target, prompts, answer length."""
+def target_fingerprint(target: PreTrainedModel) -> dict:
+    """What identifies a target across runs: its name, sizes and a hash of its whole configuration."""
     config = {k: v for k, v in target.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     config_json = json.dumps(config, sort_keys=True, default=str)
     return {
@@ -57,23 +57,28 @@ def run_meta(target: PreTrainedModel, prompts: list[str], max_new_tokens: int) -
         "vocab_size": target.config.vocab_size,
         "hidden_size": target.config.hidden_size,
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+    }
+
+
+def run_meta(target: PreTrainedModel, prompts: list[str], max_new_tokens: int) -> dict:
+    """What a resumed run must share with the one that wrote the progress: target, prompts, answer length."""
+    return {
+        **target_fingerprint(target),
         "max_new_tokens": max_new_tokens,
         "num_prompts": len(prompts),
         "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
     }
 
 
-def check_or_write_meta(progress_dir: str, meta: dict) -> None:
-    """Writes `meta.json` for a new run; for a resumed one, raises ValueError if `meta` differs from it."""
-    path = os.path.join(progress_dir, META_FILE)
+def check_or_write_meta(path: str, meta: dict) -> None:
+    """Writes `meta` to `path` for a new run; for a resumed one, raises ValueError if `meta` differs from it."""
     if os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
         changed = sorted(key for key in meta.keys() | saved.keys() if saved.get(key) != meta.get(key))
         if changed:
             raise ValueError(
-                f"{progress_dir} holds progress of a different run (differs in {changed}); "
-                "use another output folder or delete it"
+                f"{path} describes a different run (differs in {changed}); use another output or delete it"
             )
         return
     temporary = path + ".tmp"
@@ -92,7 +97,8 @@ def read_records(path: str) -> dict[int, dict]:
     if len(complete) < len(data):
         with open(path, "r+b") as f:
             f.truncate(len(complete))
-    records = (json.loads(line) for line in complete.decode().splitlines())
+    lines = complete.decode().split("\n")  # not splitlines(): prompts may hold U+2028 and other line breaks
+    records = (json.loads(line) for line in lines if line)
     return {record["id"]: record for record in records}
 
 
@@ -207,7 +213,7 @@ def distill(
     """
     progress_dir = os.path.join(output_dir, PROGRESS_DIR)
     os.makedirs(progress_dir, exist_ok=True)
-    check_or_write_meta(progress_dir, run_meta(target, prompts, max_new_tokens))
+    check_or_write_meta(os.path.join(progress_dir, META_FILE), run_meta(target, prompts, max_new_tokens))
     records_path = os.path.join(progress_dir, RECORDS_FILE)
     done = read_records(records_path)
     prompt_ids = {i: chat_prompt_ids(tokenizer, prompt) for i, prompt in enumerate(prompts) if i not in done}
@@ -232,11 +238,26 @@ def distill(
     return save_dataset(list(done.values()), output_dir)
 
 
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--target`, `--device` and `--threads`: which target generates, and where."""
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def target_from_args(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target and its tokenizer as `add_target_arguments` asked, after setting the CPU threads."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_target(args.target, device=args.device or default_device()), load_tokenizer(args.target)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of `hf-specformer distill`."""
     parser = argparse.ArgumentParser(prog="hf-specformer distill", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
-    parser.add_argument("--prompts", default=None, help="local .jsonl/.json/.parquet file or Hub dataset "
+    add_target_arguments(parser)
+    parser.add_argument("--prompts", action="append", default=None,
+                        help="local .jsonl/.json/.parquet file or Hub dataset; repeat to concatenate several "
                         "(default: the small prompt set shipped in the package)")
     parser.add_argument("--prompt-field", default=None, help="column holding the prompts (default: detected)")
     parser.add_argument("--split", default="train", help="dataset split (default: %(default)s)")
@@ -246,7 +267,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-tokens", type=int, default=512,
                         help="skip longer prompts (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle (default: %(default)s)")
     return parser.parse_args(argv)
 
@@ -255,14 +275,11 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `hf-specformer distill`: loads prompts and target, then runs `distill`."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     prompts = load_prompts(
         args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit, shuffle_seed=args.seed
     )
-    tokenizer = load_tokenizer(args.target)
-    target = load_target(args.target)
+    target, tokenizer = target_from_args(args)
     dataset = distill(
         target,
         tokenizer,

@@ -1,8 +1,8 @@
 """Training a SpecFormer drafter on self-distilled data with `accelerate` (paper: Shi et al., AAAI-26, sec. 3).
 
-The target stays frozen: each sequence runs through it under `torch.no_grad()` (online, one sequence at a time so
-that its states never depend on the batch) for the four hooked hidden states; `cache_target_states` keeps them in
-memory for later epochs. The drafter's context stage runs over every position; its slot stage runs at a random
+The target stays frozen: each micro-batch runs through it under `torch.no_grad()` (online) for the four hooked
+hidden states; `cache_target_states` instead runs each sequence on its own and keeps its states in memory for later
+epochs (see `TargetStateCache`). The drafter's context stage runs over every position; its slot stage runs at a random
 subset of positions per sequence (`positions_per_sequence`). Slot j at position t is trained with cross-entropy on
 token x_{t+2+j} of the assistant reply (at `ce_positions_per_sequence` of those positions), all slots weighted
 equally, plus, optionally, a feature loss against the target's last hidden state at t + 1 + j
@@ -14,7 +14,8 @@ the slot states, then one backward through SpecFormer.
 
 Runs resume exactly: data order is a seeded shuffle per epoch, positions are drawn from a generator seeded by
 (seed, epoch, batch, process), and checkpoints (model, optimizer, scheduler, RNG, trainer state) are written to a
-temporary folder and renamed into place.
+temporary folder and renamed into place. SIGTERM or Ctrl-C (a preempted job, `timeout`) lets the current optimiser
+step finish, writes a checkpoint and returns, so `--resume` loses nothing.
 
     python -m hf_specformer.train --data /work/distill_smollm2 --output-dir runs/smollm2
     accelerate launch -m hf_specformer.train --data ... --output-dir ...      # several processes (DDP)
@@ -28,6 +29,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -217,7 +220,8 @@ def _load_saved(path: Path) -> Dataset:
 def _read_complete_records(path: Path) -> list[dict]:
     """The complete JSON lines of `path` (a last line without newline is ignored), deduplicated and sorted by id."""
     data = path.read_bytes()
-    lines = data[: data.rfind(b"\n") + 1].decode().splitlines()
+    complete = data[: data.rfind(b"\n") + 1].decode()
+    lines = [line for line in complete.split("\n") if line]  # not splitlines(): prompts may hold U+2028
     records = {record["id"]: record for record in map(json.loads, lines)}
     return [
         {"input_ids": record["input_ids"], "prompt_length": record["prompt_length"]}
@@ -412,33 +416,44 @@ def hooked_target_states(
 
 
 class TargetStateCache:
-    """The frozen target's states a training step reads, per sequence: the 4 hooked states `[T, 4, d]` and the last
-    hidden state `[T, d]` (the feature-loss target; a view of the hooked ones when layer L is hooked).
+    """The frozen target's states a training step reads: the 4 hooked states `[T, 4, d]` and the last hidden state
+    `[T, d]` (the feature-loss target; a view of the hooked ones when layer L is hooked) of each sequence.
 
-    Each sequence runs through the target on its own (no padding), so its states never depend on the batch it
-    lands in and a resumed run sees the same numbers. With `keep`, they stay in memory after the first pass.
+    Without `keep`, a micro-batch runs through the target in one right-padded forward (what a GPU wants); a resumed
+    run repeats the same batches, so it sees the same numbers. With `keep`, each sequence runs through the target on
+    its own (no padding) and its states stay in memory, so later epochs skip the target and the states never depend
+    on the batch a sequence first landed in.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: SpecFormerForDrafting, keep: bool):
         self.target, self.drafter, self.keep = target, drafter, keep
         self.memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _split(self, hidden_states: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's L + 1 states `[B, T, d]` -> hooked `[B, T, 4, d]` and last `[B, T, d]`."""
+        hooked = torch.stack(self.drafter.select_hooked_states(hidden_states), dim=2)
+        hook_layers = list(self.drafter.config.hook_layers)
+        last_layer = len(hidden_states) - 1
+        last = hooked[:, :, hook_layers.index(last_layer)] if last_layer in hook_layers else hidden_states[-1]
+        return hooked, last
+
     def sequence(self, row_id: int, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States of one sequence `[T]`: hooked `[T, 4, d]` and last `[T, d]`."""
         if row_id in self.memory:
             return self.memory[row_id]
         ids = input_ids[None]
-        hidden_states = target_hidden_states(self.target, ids, torch.ones_like(ids))
-        hooked = torch.stack(self.drafter.select_hooked_states(hidden_states), dim=2)[0]
-        hook_layers = list(self.drafter.config.hook_layers)
-        last_layer = len(hidden_states) - 1
-        last = hooked[:, hook_layers.index(last_layer)] if last_layer in hook_layers else hidden_states[-1][0]
+        hooked, last = self._split(target_hidden_states(self.target, ids, torch.ones_like(ids)))
+        hooked, last = hooked[0], last[0]
         if self.keep:
             self.memory[row_id] = (hooked, last)
         return hooked, last
 
     def batch(self, row_ids: Sequence[int], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded (with zeros) states of a micro-batch: hooked `[B, T, 4, d]` and last `[B, T, d]`."""
+        if not self.keep:
+            hooked, last = self._split(target_hidden_states(self.target, batch.input_ids, batch.attention_mask))
+            padding = ~batch.attention_mask.bool()
+            return hooked.masked_fill(padding[..., None, None], 0), last.masked_fill(padding[..., None], 0)
         states = [self.sequence(row_id, ids[:length]) for row_id, ids, length in
                   zip(row_ids, batch.input_ids, batch.lengths.tolist())]
         hooked = torch.nn.utils.rnn.pad_sequence([hooked for hooked, _ in states], batch_first=True)
@@ -617,12 +632,52 @@ def append_metrics(path: Path, record: dict) -> None:
 # ----- training ------------------------------------------------------------------------------------------------
 @dataclass
 class TrainingResult:
-    """What `train` returns: the trained (unwrapped, bound) drafter, the optimizer, the final state and evaluation."""
+    """What `train` returns: the trained (unwrapped, bound) drafter, the optimizer, the final state and evaluation.
+    `completed` is False when a signal stopped the run early (then it was checkpointed, not evaluated or exported)."""
 
     drafter: SpecFormerForDrafting
     optimizer: torch.optim.Optimizer
     state: TrainerState
     evaluation: dict
+    completed: bool = True
+
+
+class StopOnSignal:
+    """Within its `with` block, SIGTERM and SIGINT set `requested` instead of ending the process, so that training
+    can finish its optimiser step and checkpoint. A second signal ends the process as usual. Outside the main
+    thread (where Python cannot handle signals) it does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def _handle(self, number: int, frame) -> None:
+        if self.requested:
+            self.__exit__()
+            signal.raise_signal(number)
+            return
+        self.requested = True
+        logger.warning("%s received: stopping after this optimiser step (again to stop at once)",
+                       signal.Signals(number).name)
+
+    def agreed(self, accelerator: Accelerator) -> bool:
+        """Whether any process was asked to stop (every process must stop at the same step)."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
 def build_drafter(target: PreTrainedModel, config: DrafterTrainingConfig) -> SpecFormerForDrafting:
@@ -781,34 +836,40 @@ def train(
     window = WindowStats()
     target_states = TargetStateCache(target, accelerator.unwrap_model(drafter), keep=config.cache_target_states)
     batches = micro_batches(train_set, config, accelerator, state)
-    while state.step < total_steps:
-        epoch, index, row_ids, batch, rng = next(batches)
-        with accelerator.accumulate(drafter):
-            losses = train_micro_batch(accelerator, target_states, drafter, row_ids, batch, rng, config)
-        window.add(losses, batch)
-        state.epoch, state.batch_index = epoch, index + 1
-        if not accelerator.sync_gradients:
-            continue
-        grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), config.max_grad_norm) \
-            if config.max_grad_norm > 0 else None
-        learning_rate = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        state.step += 1
-        state.metrics = {"step": state.step, "epoch": epoch, **window.summary(accelerator), "lr": learning_rate}
-        if grad_norm is not None:
-            state.metrics["grad_norm"] = round(float(grad_norm), 5)
-        if accelerator.is_main_process:
-            append_metrics(metrics_path, state.metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{state.metrics['loss']:.4f}", lr=f"{learning_rate:.2e}")
-        if config.eval_every and state.step % config.eval_every == 0 and state.step < total_steps:
-            run_evaluation(accelerator, target, drafter, eval_set, config, state, metrics_path)
-        if config.save_every and state.step % config.save_every == 0:
-            save_checkpoint(accelerator, output_dir, state)
-        window = WindowStats()
+    stopped = False
+    with StopOnSignal() as stop:
+        while state.step < total_steps and not stopped:
+            epoch, index, row_ids, batch, rng = next(batches)
+            with accelerator.accumulate(drafter):
+                losses = train_micro_batch(accelerator, target_states, drafter, row_ids, batch, rng, config)
+            window.add(losses, batch)
+            state.epoch, state.batch_index = epoch, index + 1
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), config.max_grad_norm) \
+                if config.max_grad_norm > 0 else None
+            learning_rate = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            state.step += 1
+            state.metrics = {"step": state.step, "epoch": epoch, **window.summary(accelerator), "lr": learning_rate}
+            if grad_norm is not None:
+                state.metrics["grad_norm"] = round(float(grad_norm), 5)
+            if accelerator.is_main_process:
+                append_metrics(metrics_path, state.metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{state.metrics['loss']:.4f}", lr=f"{learning_rate:.2e}")
+            stopped = stop.agreed(accelerator) and state.step < total_steps
+            if config.eval_every and state.step % config.eval_every == 0 and state.step < total_steps and not stopped:
+                run_evaluation(accelerator, target, drafter, eval_set, config, state, metrics_path)
+            if stopped or (config.save_every and state.step % config.save_every == 0):
+                save_checkpoint(accelerator, output_dir, state)
+            window = WindowStats()
     bar.close()
+    if stopped:
+        logger.warning("stopped at step %d of %d; continue with --resume", state.step, total_steps)
+        return TrainingResult(accelerator.unwrap_model(drafter), optimizer, state, evaluation={}, completed=False)
 
     if config.draft_vocab_size:
         accelerator.unwrap_model(drafter).set_draft_vocab(reply_vocabulary(train_set, config.draft_vocab_size))

@@ -1,0 +1,177 @@
+"""Prompts written by the target itself, for self-distillation beyond a fixed prompt set.
+
+Method: Magpie (Xu et al., 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with
+Nothing", arXiv 2406.08464). An instruction-tuned target given only the opening of a user turn in its chat template
+(the system prompt and the user header) writes a user message. Sampled at temperature 1, these messages spread over
+what the model was aligned on, which is the kind of request it will serve; a fixed prompt set such as T0's task
+templates covers far less of it. `distill --prompts <this file>` then has the target answer them greedily.
+
+Choices (Magpie's defaults where it has one): temperature 1.0, no top-k or top-p cut. A message is kept only if the
+target closed the turn itself (an EOS before `max_new_tokens`), it is not blank, and it is not an exact duplicate
+of one kept before.
+
+Resumable like `distill`: every batch is appended to the output JSONL (flushed and fsynced), batch b is sampled with
+the seed (seed, b), and a restart continues after the last batch on disk, so a rerun reproduces the same file.
+Run it with `hf-specformer synthesize ...` or `python -m hf_specformer.training.synthesize ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hf_specformer.training.distill import (
+    add_target_arguments,
+    append_records,
+    check_or_write_meta,
+    cut_after_eos,
+    eos_token_ids,
+    read_records,
+    target_fingerprint,
+    target_from_args,
+)
+
+logger = logging.getLogger(__name__)
+
+SENTINEL = "\u2063USER-MESSAGE\u2063"
+MAX_FRUITLESS_BATCHES = 10
+"""Consecutive batches that keep no message after which synthesis gives up (a target that never closes a turn)."""
+
+
+def user_turn_prefix_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of the chat template up to where a lone user message's text begins (system prompt, user header).
+
+    Found by rendering a sentinel message and cutting the text at it; raises ValueError if the template does not
+    put the message text verbatim into the prompt.
+    """
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    if SENTINEL not in text:
+        raise ValueError("The chat template does not contain the user message verbatim; cannot find the user turn.")
+    return tokenizer(text[: text.index(SENTINEL)], add_special_tokens=False)["input_ids"]
+
+
+def batch_seed(seed: int, batch_index: int) -> int:
+    """The torch seed of batch `batch_index` of a run seeded with `seed`."""
+    return seed * 1_000_003 + batch_index
+
+
+@torch.inference_mode()
+def sample_user_messages(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prefix_ids: list[int],
+    batch_size: int,
+    max_new_tokens: int,
+    seed: int,
+) -> list[str | None]:
+    """`batch_size` user messages sampled after `prefix_ids`; None for a message the target did not close in time."""
+    torch.manual_seed(seed)
+    input_ids = torch.tensor([prefix_ids] * batch_size, device=target.device)
+    output = target.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    eos_ids = eos_token_ids(target, tokenizer)
+    messages = []
+    for row in output[:, input_ids.shape[1] :].tolist():
+        message = cut_after_eos(row, eos_ids)
+        closed = bool(message) and message[-1] in eos_ids
+        messages.append(tokenizer.decode(message[:-1], skip_special_tokens=True).strip() if closed else None)
+    return messages
+
+
+def synthesize_prompts(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    num_prompts: int,
+    output_path: str,
+    *,
+    batch_size: int = 64,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[str]:
+    """Has `target` write `num_prompts` distinct user prompts into `output_path` (JSONL with `id`, `batch`,
+    `source`, `prompt`) and returns them, resuming a run already there.
+
+    Raises ValueError when `output_path` holds a run with another target, seed or length limit (recorded in
+    `<output_path>.meta.json`), and RuntimeError when `MAX_FRUITLESS_BATCHES` batches in a row keep nothing.
+    """
+    if num_prompts < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("num_prompts, batch_size and max_new_tokens must be positive.")
+    directory = os.path.dirname(os.path.abspath(output_path))
+    os.makedirs(directory, exist_ok=True)
+    meta = {**target_fingerprint(target), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+    check_or_write_meta(output_path + ".meta.json", meta)
+    records = sorted(read_records(output_path).values(), key=lambda record: record["id"])
+    prompts = [record["prompt"] for record in records]
+    seen = set(prompts)
+    batch_index = max((record["batch"] for record in records), default=-1) + 1
+    prefix_ids = user_turn_prefix_ids(tokenizer)
+    source = f"self:{target.config.name_or_path}"
+
+    bar = tqdm(total=num_prompts, initial=min(len(prompts), num_prompts), unit="prompt", desc="synthesize",
+               disable=not progress)
+    sampled = fruitless = 0
+    while len(prompts) < num_prompts:
+        if fruitless == MAX_FRUITLESS_BATCHES:
+            raise RuntimeError(
+                f"The last {fruitless * batch_size} sampled user messages gave no new prompt (none closed within "
+                f"{max_new_tokens} tokens, or all blank or repeated); is the target an instruction-tuned chat model?"
+            )
+        messages = sample_user_messages(
+            target, tokenizer, prefix_ids, batch_size, max_new_tokens, batch_seed(seed, batch_index)
+        )
+        new = []
+        for message in messages:
+            if message and message not in seen and len(prompts) + len(new) < num_prompts:
+                seen.add(message)
+                new.append({"id": len(prompts) + len(new), "batch": batch_index, "source": source, "prompt": message})
+        append_records(output_path, new)
+        prompts.extend(record["prompt"] for record in new)
+        sampled += len(messages)
+        fruitless = 0 if new else fruitless + 1
+        batch_index += 1
+        bar.update(len(new))
+        bar.set_postfix(sampled=sampled)
+    bar.close()
+    return prompts[:num_prompts]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of `hf-specformer synthesize`."""
+    parser = argparse.ArgumentParser(prog="hf-specformer synthesize", description=__doc__.split("\n\n")[0])
+    add_target_arguments(parser)
+    parser.add_argument("--output", required=True, help="JSONL file of prompts (resumed if it exists)")
+    parser.add_argument("--num-prompts", type=int, required=True, help="distinct prompts to write")
+    parser.add_argument("--batch-size", type=int, default=64, help="messages sampled per generate call")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="longest message (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `hf-specformer synthesize`."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    target, tokenizer = target_from_args(args)
+    prompts = synthesize_prompts(
+        target, tokenizer, args.num_prompts, args.output,
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
+    )
+    logger.info("%d prompts in %s", len(prompts), args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Tests of prompt synthesis (Magpie): the real SmolLM2 target writes user prompts; resuming reproduces the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_distill import tiny_target
+
+from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.training.synthesize import synthesize_prompts, user_turn_prefix_ids
+
+NUM_PROMPTS, BATCH_SIZE, MAX_NEW_TOKENS = 6, 4, 48
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def test_user_turn_prefix_is_the_template_before_the_message(tokenizer):
+    prefix = tokenizer.decode(user_turn_prefix_ids(tokenizer))
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False)
+    assert rendered.startswith(prefix + "Hello there")
+    assert prefix.endswith("user\n")  # SmolLM2: system prompt, then the user header
+
+
+@pytest.mark.slow
+def test_smollm2_writes_distinct_prompts_and_resumes_reproducibly(tokenizer, tmp_path):
+    target = load_target()
+    path = tmp_path / "prompts.jsonl"
+    kwargs = dict(batch_size=BATCH_SIZE, max_new_tokens=MAX_NEW_TOKENS, progress=False)
+    prompts = synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), **kwargs)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(prompts) == len(set(prompts)) == NUM_PROMPTS and all(p and p == p.strip() for p in prompts)
+    assert [record["id"] for record in records] == list(range(NUM_PROMPTS))
+    assert [record["prompt"] for record in records] == prompts
+    assert records[-1]["batch"] >= 1  # 4 messages a batch cannot give 6 prompts at once
+
+    # A kill during the second batch: the first batch's records and a half-written line are on disk.
+    first_batch = [line for line, record in zip(path.read_text().splitlines(), records) if record["batch"] == 0]
+    path.write_text("".join(line + "\n" for line in first_batch) + first_batch[-1][:15])
+    assert synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), **kwargs) == prompts
+    assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == prompts
+
+    assert synthesize_prompts(target, tokenizer, 2, str(path), **kwargs) == prompts[:2]  # already there
+    with pytest.raises(ValueError, match="seed"):
+        synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), seed=1, **kwargs)
+
+
+def test_a_target_that_never_closes_its_turn_is_an_error(tokenizer, tmp_path):
+    with pytest.raises(RuntimeError, match="instruction-tuned"):
+        synthesize_prompts(tiny_target(tokenizer), tokenizer, 2, str(tmp_path / "p.jsonl"), batch_size=2,
+                           max_new_tokens=2, progress=False)
