@@ -14,7 +14,10 @@ ALLOWED = {
     "hub": {"hub", "models", "generation"},
     "training": {"training", "models", "generation", "hub", "targets"},
 }
-BUNDLED_EXTERNAL = {"torch", "transformers", "__future__", "abc", "dataclasses", "collections", "copy", "typing"}
+BUNDLED_EXTERNAL = {
+    "torch", "transformers", "numpy", "__future__", "abc", "dataclasses", "collections", "copy", "functools", "typing"
+}
+"""What Hub remote code may import: torch, transformers, numpy (which transformers requires), the standard library."""
 
 
 def internal_imports(path: Path) -> tuple[set[str], set[str]]:

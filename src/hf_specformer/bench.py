@@ -30,6 +30,7 @@ from transformers import AutoModel, DynamicCache
 
 from .generation import OracleProposer, generate
 from .generation.engine import target_forward
+from .generation.products import FewRowLinears
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, load_target, load_tokenizer
 from .training.data import find_shared_data, load_prompts
@@ -52,6 +53,7 @@ class BenchConfig:
     threads: int = 2
     limit_repeats: int = 15
     compaction_hole_fraction: float = 0.5
+    few_row_plain: bool = False
     output: str = "bench/results"
 
 
@@ -88,7 +90,8 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free.
 
     t(B, 1) is the target's own forward of one new token per row (what plain `generate` runs); t(B, k + 1) the
-    engine's verification forward of k + 1 tokens per row (`target_forward`, with the hidden states a drafter reads).
+    engine's verification forward of k + 1 tokens per row (`target_forward` inside `FewRowLinears`, with the hidden
+    states a drafter reads).
     Timed over a realistic cache: `context` `[B, C]` is the prompt plus the first half of the plain continuation
     (the mean cache length while decoding). The two forwards alternate, `repeats` times each, and the medians are
     used, so drift on a shared machine hits both alike.
@@ -106,7 +109,8 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
             if num_tokens == 1:
                 target(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=0)
             else:
-                target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)
+                with FewRowLinears([target], head=target.get_output_embeddings()):
+                    target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)
             times[num_tokens].append(time.perf_counter() - start)
             cache.crop(-num_tokens)
     t1, tk = statistics.median(times[1]), statistics.median(times[k + 1])
@@ -129,6 +133,14 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
+def few_row_plain_seconds(target, batches: list[dict], gen_kwargs: dict) -> float:
+    """Plain `generate` again with the engine's few-row CPU products switched on for the target too: a second
+    baseline, which tells how much of a speedup is speculation rather than the products (at B = 1 they change
+    nothing; with 2..32 rows per forward they speed up plain decoding as well)."""
+    with FewRowLinears([target], head=target.get_output_embeddings()):
+        return sum(_timed(lambda: target.generate(**batch, **gen_kwargs))[1] for batch in batches)
+
+
 def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchConfig, drafters: dict) -> list[dict]:
     """All modes at one batch size (over `max(batch_size, min_rows)` prompts); one row of results per mode."""
     batches = chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)
@@ -142,6 +154,7 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
         prefill_time += prefill_seconds(target, batch)
         tokens += count_new_tokens(reference, batch["input_ids"].shape[1], eos)
         references.append(reference)
+    few_row_plain = few_row_plain_seconds(target, batches, gen_kwargs) if config.few_row_plain else None
     width = batches[0]["input_ids"].shape[1]
     context = references[0][:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
     context_mask = torch.cat([batches[0]["attention_mask"], torch.ones_like(context[:, width:])], 1)
@@ -174,6 +187,8 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             "acceptance_by_position": [statistics.mean(col) for col in zip(*per_position)],
             "mismatched_rows": mismatched,
         })
+        if few_row_plain is not None:
+            rows[-1].update(few_row_plain_seconds=few_row_plain, speedup_over_few_row_plain=few_row_plain / spec_time)
     return rows
 
 
@@ -247,6 +262,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compaction-hole-fraction", type=float, default=0.5,
                         help="compact caches at this hole share (above 1: never), to measure compaction")
+    parser.add_argument("--few-row-plain", action="store_true",
+                        help="also time plain generate with the engine's few-row CPU products (a second baseline)")
     parser.add_argument("--output", default="bench/results", help="path stem of the JSON and PNG")
     return parser
 
@@ -259,6 +276,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         target=args.target, modes=modes, batch_sizes=args.batch_sizes, num_draft_tokens=args.num_draft_tokens,
         max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, min_rows=args.min_rows, prompts=args.prompts,
         threads=args.threads, output=args.output, compaction_hole_fraction=args.compaction_hole_fraction,
+        few_row_plain=args.few_row_plain,
     )
 
 

@@ -10,7 +10,8 @@ from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, Stopping
 from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, generate
-from hf_specformer.generation.engine import FEW_HEAD_ROWS, _head_logits, target_forward
+from hf_specformer.generation.engine import target_forward
+from hf_specformer.generation.products import FewRowLinears
 
 # name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
 CASES = {
@@ -201,20 +202,6 @@ def test_compaction_policy_does_not_change_outputs(hole_fraction):
     )
 
 
-def test_cpu_head_product_for_few_rows_is_the_head():
-    """`_head_logits` computes `lm_head(h)` as W @ h^T for few rows; many rows and a biased head run the head."""
-    torch.manual_seed(0)
-    head = torch.nn.Linear(48, TINY_VOCAB, bias=False).double()
-    for shape in [(1, 1), (1, 5), (3, 4), (1, FEW_HEAD_ROWS + 1)]:
-        hidden = torch.randn(*shape, 48, dtype=torch.float64)
-        logits = _head_logits(hidden, head)
-        assert logits.shape == (*shape, TINY_VOCAB) and logits.is_contiguous()
-        torch.testing.assert_close(logits, head(hidden), rtol=0, atol=1e-12)
-    biased = torch.nn.Linear(48, 10).double()
-    hidden = torch.randn(2, 3, 48, dtype=torch.float64)
-    assert torch.equal(_head_logits(hidden, biased), biased(hidden))
-
-
 def tiny_gemma2() -> torch.nn.Module:
     """A tiny Gemma2: its causal-LM head soft-caps the logits, so the engine must run its whole forward."""
     torch.manual_seed(0)
@@ -226,19 +213,20 @@ def tiny_gemma2() -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2"])
 def test_target_forward_gives_the_models_own_logits_and_states(kind):
-    """The loop's target forward (decoder + CPU head product where the head is plain) returns what the model's own
-    forward returns; Gemma2's soft-capped head is never bypassed."""
+    """The loop's target forward, with the few-row CPU products switched on, returns what the model's own forward
+    returns; Gemma2 still soft-caps its logits."""
     target = tiny_gemma2() if kind == "gemma2" else make_target(kind)
     input_ids, mask = make_batch(2, seed=4, padded=False)  # Gemma2's eager attention gives NaN at padded positions
     engine_cache, model_cache = DynamicCache(), DynamicCache()
     positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-    engine = target_forward(target, input_ids, mask, positions, engine_cache, output_hidden_states=True,
-                            logits_to_keep=0)
+    with FewRowLinears([target], head=target.get_output_embeddings()):
+        engine = target_forward(target, input_ids, mask, positions, engine_cache, output_hidden_states=True,
+                                logits_to_keep=0)
     model = target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=model_cache,
                    output_hidden_states=True)
     assert not model.logits.isnan().any()
     torch.testing.assert_close(engine.logits, model.logits, rtol=0, atol=1e-10)
     assert len(engine.hidden_states) == len(model.hidden_states)
     for ours, theirs in zip(engine.hidden_states, model.hidden_states):
-        assert torch.equal(ours, theirs)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
     assert engine_cache.get_seq_length() == model_cache.get_seq_length() == input_ids.shape[1]

@@ -3,9 +3,11 @@
 from .drafting import OracleProposer, Proposer, SpecFormerProposer
 from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
 from .generate import generate
+from .products import FewRowLinears
 from .stats import SpecStats
 
 __all__ = [
+    "FewRowLinears",
     "OracleProposer",
     "Proposer",
     "SpecFormerProposer",

@@ -19,24 +19,16 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .batch import RaggedBatch
 from .drafting import Proposer
 from .processing import RaggedLogitsProcessor
+from .products import FewRowLinears
 from .stats import SpecStats
 from .verification import verify_greedy, verify_sampling
 
 COMPACTION_HOLE_FRACTION = 0.5
 """Default share of cache columns that are holes (rejected drafts, padding) at which the caches are compacted."""
-
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""Architectures whose causal-LM forward is the decoder, then `lm_head` on its last hidden state and nothing else
-(no logit scaling or soft-capping), so the engine may apply the head itself (`_head_logits`)."""
-
-FEW_HEAD_ROWS = 128
-"""Up to this many rows (batch x positions), the CPU head product runs as W @ h^T (see `_head_logits`)."""
-
 
 @dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
@@ -160,41 +152,18 @@ def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float
         batch.compact(index)
 
 
-def _head_logits(hidden_states: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
-    """`lm_head(hidden_states)`: `[B, T, d]` -> `[B, T, V]`, the same function, computed faster for a verification
-    step on the CPU.
-
-    With few rows M = B * T, MKL runs `h @ W^T` (what `nn.Linear` asks for) by packing the whole `[V, d]` weight on
-    every call, while `W @ h^T` streams it once. On the 2-core testbed (float32, V = 49152, d = 576): M = 5, 21.4 vs
-    6.7 ms; M = 40, 38.8 vs 27.6 ms; M = 160, 90 vs 86 ms; M = 320, 169 vs 269 ms, hence `FEW_HEAD_ROWS`. Plain
-    decoding (M = B) is left as `generate` runs it. Elsewhere (GPU, many rows, a head with a bias) `lm_head` runs.
-    """
-    rows = hidden_states.shape[0] * hidden_states.shape[1]
-    plain_linear = isinstance(lm_head, torch.nn.Linear) and lm_head.bias is None
-    if hidden_states.device.type != "cpu" or rows > FEW_HEAD_ROWS or not plain_linear:
-        return lm_head(hidden_states)
-    logits = torch.mm(lm_head.weight, hidden_states.reshape(rows, -1).T).T  # [M, V], transposed layout
-    return logits.contiguous().view(*hidden_states.shape[:-1], -1)
-
-
 def target_forward(model, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep):
     """One target forward of the loop: logits of the last `logits_to_keep` inputs (0: all), and the hidden states
-    with `output_hidden_states`. Architectures in `PLAIN_HEAD_MODEL_TYPES` run as decoder + `_head_logits`;
-    others run whole."""
-    kwargs = dict(
+    with `output_hidden_states`. Run it inside `FewRowLinears` for the loop's speed on the CPU."""
+    return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=output_hidden_states,
+        logits_to_keep=logits_to_keep,
     )
-    if model.config.model_type not in PLAIN_HEAD_MODEL_TYPES:
-        return model(**kwargs, logits_to_keep=logits_to_keep)
-    outputs = model.get_decoder()(**kwargs)
-    last = outputs.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else outputs.last_hidden_state
-    logits = _head_logits(last, model.get_output_embeddings())
-    return CausalLMOutputWithPast(logits=logits, past_key_values=cache, hidden_states=outputs.hidden_states)
 
 
 def speculative_decode(
@@ -224,6 +193,18 @@ def speculative_decode(
     """
     if proposer is None:
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
+    with FewRowLinears([model, *proposer.modules()], head=model.get_output_embeddings()):
+        return _decode(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
+            speculative_streamer, compaction_hole_fraction, model_kwargs,
+        )
+
+
+def _decode(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
+    compaction_hole_fraction, model_kwargs,
+):
+    """The body of `speculative_decode`: prefill, then verification steps until every row has finished."""
     cache = model_kwargs.get("past_key_values")
     if not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")

@@ -6,7 +6,7 @@ Two ways in, same function:
     out = hf_specformer.generate(target, **inputs, assistant_model=draft)
 
 This file is the drafter folder's `custom_generate/generate.py` (bundled with its sibling modules), so it imports
-only torch, transformers and siblings. Arguments beyond `generate`'s:
+only torch, transformers (and numpy, which transformers requires) and siblings. Arguments beyond `generate`'s:
     assistant_model: a SpecFormer drafter (bound to `model` here if it is not yet) or a `Proposer`.
     num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`).
     compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the

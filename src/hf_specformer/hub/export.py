@@ -5,8 +5,9 @@
       custom_generate/generate.py + its sibling modules + requirements.txt                 (this module)
       README.md                                                                            (model card, optional)
 
-`custom_generate/` is `hf_specformer/generation/` flattened: those files import only torch, transformers and each
-other, so `target.generate(..., custom_generate=drafter_dir, trust_remote_code=True)` runs without this package.
+`custom_generate/` is `hf_specformer/generation/` flattened: those files import only torch, transformers (and numpy,
+which transformers requires) and each other, so
+`target.generate(..., custom_generate=drafter_dir, trust_remote_code=True)` runs without this package.
 """
 
 from __future__ import annotations

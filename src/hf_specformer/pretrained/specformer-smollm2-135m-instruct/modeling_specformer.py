@@ -310,7 +310,7 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         draft_vocab_ids = None if config.draft_vocab_size is None else torch.arange(config.draft_vocab_size)
         self.register_buffer("draft_vocab_ids", draft_vocab_ids, persistent=True)  # [V_d] or None
         self._target_head: tuple[nn.Module, nn.Module] | None = None  # (final norm, lm_head); never saved
-        self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None  # (key, weight, bias) cache
+        self._draft_head: tuple[tuple, nn.Linear] | None = None  # (key, draft_head()) cache
         self.post_init()
 
     # ----- binding to the target -------------------------------------------------------------------------------
@@ -377,13 +377,12 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
 
     def draft_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft logits `[..., d]` -> `[..., V]`: `compute_logits`, or with a draft vocabulary only its V_d rows of
-        the lm_head, every other token at -inf."""
+        the lm_head (`draft_head`), every other token at -inf."""
         if self.draft_vocab_ids is None:
             return self.compute_logits(slot_hidden_states)
         normalized = self.normalize(slot_hidden_states)
-        weight, bias = self._draft_head_rows()
         logits = normalized.new_full((*normalized.shape[:-1], self.config.vocab_size), float("-inf"))
-        return logits.index_copy_(logits.ndim - 1, self.draft_vocab_ids, nn.functional.linear(normalized, weight, bias))
+        return logits.index_copy_(logits.ndim - 1, self.draft_vocab_ids, self.draft_head()(normalized))
 
     def set_draft_vocab(self, token_ids: Sequence[int] | torch.Tensor | None) -> "SpecFormerForDrafting":
         """Restricts drafting to `token_ids` (saved with the weights; sets `config.draft_vocab_size`), or lifts the
@@ -399,15 +398,24 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         self.config.draft_vocab_size = ids.numel()
         return self
 
-    def _draft_head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The lm_head rows of the draft vocabulary, gathered once and reused until the ids or the head change."""
+    def draft_head(self) -> nn.Module:
+        """The layer that scores draft tokens: the target's lm_head, or with a draft vocabulary an `nn.Linear` `d ->
+        V_d` of its rows, gathered once and reused until the ids or the head change (not a submodule: never saved)."""
+        if self._target_head is None:
+            raise RuntimeError("Call `draft.bind_target(target)` before computing draft logits.")
         lm_head = self._target_head[1]
         ids = self.draft_vocab_ids
+        if ids is None:
+            return lm_head
         key = (lm_head.weight.data_ptr(), lm_head.weight._version, ids.data_ptr(), ids._version, ids.numel())
         if self._draft_head is None or self._draft_head[0] != key:
             bias = getattr(lm_head, "bias", None)
-            self._draft_head = (key, lm_head.weight[ids], None if bias is None else bias[ids])
-        return self._draft_head[1], self._draft_head[2]
+            head = nn.Linear(lm_head.weight.shape[1], ids.numel(), bias=bias is not None, device="meta")
+            head.weight = nn.Parameter(lm_head.weight[ids], requires_grad=False)
+            if bias is not None:
+                head.bias = nn.Parameter(bias[ids], requires_grad=False)
+            self._draft_head = (key, head)
+        return self._draft_head[1]
 
     # ----- forward ---------------------------------------------------------------------------------------------
     def forward(

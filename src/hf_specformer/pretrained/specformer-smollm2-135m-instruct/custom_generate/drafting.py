@@ -44,6 +44,10 @@ class Proposer(ABC):
         """Caches whose columns follow the target's (the engine drops rows and compacts holes in all of them)."""
         return []
 
+    def modules(self) -> list[torch.nn.Module]:
+        """Networks the proposer runs (the engine speeds up their few-row linear layers on the CPU)."""
+        return []
+
     @abstractmethod
     def propose(
         self,
@@ -82,6 +86,9 @@ class SpecFormerProposer(Proposer):
 
     def caches(self) -> list[Cache]:
         return [self.cache]
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.drafter, self.drafter.draft_head()]
 
     def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
         hooked = self.drafter.select_hooked_states(hidden_states)
