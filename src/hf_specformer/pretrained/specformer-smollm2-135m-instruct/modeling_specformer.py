@@ -361,12 +361,16 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
             )
         return tuple(all_hidden_states[index] for index in self.config.hook_layers)
 
+    def _bound_head(self) -> tuple[nn.Module, nn.Module]:
+        """The target's (final norm, lm_head); raises if `bind_target` has not been called."""
+        if self._target_head is None:
+            raise RuntimeError("Call `draft.bind_target(target)` before computing draft logits.")
+        return self._target_head
+
     def normalize(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
         """The target's final norm: `[..., d]` -> `[..., d]` in the target's dtype, the space of the target's own
         last hidden state (`output_hidden_states[-1]`) that its lm_head reads."""
-        if self._target_head is None:
-            raise RuntimeError("Call `draft.bind_target(target)` before computing draft logits.")
-        final_norm, lm_head = self._target_head
+        final_norm, lm_head = self._bound_head()
         return final_norm(slot_hidden_states.to(lm_head.weight.dtype))
 
     def compute_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -401,9 +405,7 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
     def draft_head(self) -> nn.Module:
         """The layer that scores draft tokens: the target's lm_head, or with a draft vocabulary an `nn.Linear` `d ->
         V_d` of its rows, gathered once and reused until the ids or the head change (not a submodule: never saved)."""
-        if self._target_head is None:
-            raise RuntimeError("Call `draft.bind_target(target)` before computing draft logits.")
-        lm_head = self._target_head[1]
+        lm_head = self._bound_head()[1]
         ids = self.draft_vocab_ids
         if ids is None:
             return lm_head
