@@ -9,9 +9,10 @@ from helpers import PAD, assert_same_as_generate, make_batch, noisy_oracle
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_specformer import OracleProposer, generate
+from hf_specformer import OracleProposer, SpecFormerProposer, generate
 from hf_specformer.generation.engine import target_forward
 from hf_specformer.generation.products import FewRowLinears
+from hf_specformer.training.train_drafter import next_token_ids
 
 # name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
 CASES = {
@@ -230,3 +231,45 @@ def test_target_forward_gives_the_models_own_logits_and_states(kind):
     for ours, theirs in zip(engine.hidden_states, model.hidden_states):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
     assert engine_cache.get_seq_length() == model_cache.get_seq_length() == input_ids.shape[1]
+
+
+class RecordingProposer(SpecFormerProposer):
+    """A SpecFormer proposer that records `(row id, tokens generated so far, draft logits [k, V])` per proposal."""
+
+    def __init__(self, drafter, num_draft_tokens):
+        super().__init__(drafter, num_draft_tokens)
+        self.records = []
+
+    def propose(self, batch, hidden_states, position_ids, source_index):
+        logits = super().propose(batch, hidden_states, position_ids, source_index)
+        self.records.extend(zip(batch.row_ids.tolist(), batch.num_generated[batch.row_ids].tolist(), logits))
+        return logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_drafts_with_next_token_input_equal_the_full_sequence_forward(kind):
+    """Every draft the engine proposes (padded rows, rejected drafts, cache compaction) equals the drafter's forward
+    over the finished sequence at the same position, with each position's next token as training feeds it."""
+    target = make_target(kind)
+    drafter = make_drafter(target, next_token_input=True)
+    torch.nn.init.normal_(drafter.context_block.next_token_input.weight, std=0.3)
+    input_ids, mask = make_batch(6, seed=2)
+    proposer = RecordingProposer(drafter, 3)
+    output = assert_same_as_generate(target, proposer, input_ids, mask, max_new_tokens=20, pad_token_id=PAD)
+    width = input_ids.shape[1]
+    checked = 0
+    for row, generated, logits in proposer.records:
+        new = output.sequences[row, width:]
+        is_eos = new == target.config.eos_token_id
+        length = int(is_eos.long().argmax()) + 1 if is_eos.any() else new.numel()
+        if generated >= length:  # the row's last commit: it retires without drafting again
+            continue
+        ids = torch.cat([input_ids[row][mask[row].bool()], new[:length]])[None]
+        with torch.no_grad():
+            hooked = drafter.select_hooked_states(target(ids, output_hidden_states=True).hidden_states)
+        position = ids.shape[1] - length + generated - 2  # the input before the last committed token
+        full = drafter(hooked, use_cache=False, draft_positions=torch.tensor([[position]]), num_draft_tokens=3,
+                       next_token_ids=next_token_ids(ids)).logits[0, 0]
+        torch.testing.assert_close(logits, full, rtol=1e-9, atol=1e-9)
+        checked += 1
+    assert checked > 6  # every row, several steps

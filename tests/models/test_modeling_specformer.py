@@ -74,6 +74,38 @@ def test_cache_equivalence_chunked_vs_full(target, drafter):
     assert cache.get_seq_length() == 17
 
 
+def test_next_token_input_starts_at_zero_from_a_plain_checkpoint(target, drafter, tmp_path):
+    """A drafter saved without the extension and loaded with it drafts exactly as before (W_E starts at zero)."""
+    drafter.save_pretrained(tmp_path)
+    extended = SpecFormerForDrafting.from_pretrained(tmp_path, dtype=torch.float64, next_token_input=True)
+    extended = extended.eval().bind_target(target)
+    assert extended.context_block.next_token_input.weight.abs().max() == 0
+    input_ids = torch.randint(3, 90, (2, 9))
+    states = hooked_states(target, drafter, input_ids)
+    torch.testing.assert_close(extended(states, next_token_ids=input_ids).logits, drafter(states).logits)
+
+
+def test_next_token_input_is_read_and_cached(target):
+    """With a trained (non-zero) W_E: the next tokens change the drafts, chunked and full forwards agree, and
+    leaving them out raises."""
+    drafter = make_drafter(target, next_token_input=True)
+    torch.nn.init.normal_(drafter.context_block.next_token_input.weight, std=0.3)
+    torch.manual_seed(6)
+    input_ids, next_ids = torch.randint(3, 90, (2, 11)), torch.randint(3, 90, (2, 11))
+    states = hooked_states(target, drafter, input_ids)
+    positions = torch.arange(11)[None].expand(2, -1)
+    full = drafter(states, draft_positions=positions, next_token_ids=next_ids).logits
+    other = drafter(states, draft_positions=positions, next_token_ids=next_ids.roll(1, dims=1)).logits
+    assert not torch.allclose(full, other)
+    cache = DynamicCache()
+    for start, end in [(0, 4), (4, 5), (5, 11)]:
+        piece = drafter([s[:, start:end] for s in states], past_key_values=cache, next_token_ids=next_ids[:, start:end],
+                        draft_positions=torch.arange(end - start)[None].expand(2, -1)).logits
+        torch.testing.assert_close(piece, full[:, start:end], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="next_token_ids"):
+        drafter(states)
+
+
 def test_padding_mask_hides_keys(target, drafter):
     """A row with left padding gives the same drafts as the unpadded row alone."""
     torch.manual_seed(4)

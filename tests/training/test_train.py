@@ -243,10 +243,11 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, interruption):
     `stop_and_extend`: a 3-step run is resumed with max_steps=6 (constant learning rate, so that the schedule,
     which depends on max_steps, is the same). Either way the result equals the uninterrupted 6-step run. The crash
     case also runs the feature loss, cross-entropy on a subset and the in-memory target states, which the resumed
-    run computes afresh while the uninterrupted one reuses them."""
+    run computes afresh while the uninterrupted one reuses them; the other case trains a drafter that reads the next
+    token (`next_token_input`)."""
     dataset = repetitive_dataset(num_rows=6)  # 5 train rows -> 3 micro-batches of 2 per epoch, windows of 2
     schedule = {"feature_loss_weight": 0.5, "ce_positions_per_sequence": 2, "cache_target_states": True} \
-        if interruption == "crash" else {"warmup_ratio": 0.0, "min_learning_rate": 3e-3}
+        if interruption == "crash" else {"warmup_ratio": 0.0, "min_learning_rate": 3e-3, "next_token_input": True}
     options = dict(max_steps=6, per_device_batch_size=2, gradient_accumulation_steps=2, save_every=3,
                    positions_per_sequence=4, **schedule)
     reference = train(make_config(tmp_path / "reference", **options), target=make_target(), dataset=dataset)
@@ -267,6 +268,8 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, interruption):
         assert torch.equal(expected, actual), name
     steps = {int(state["step"]) for state in resumed.optimizer.state_dict()["state"].values()}
     assert steps == {6}
+    if options.get("next_token_input"):
+        assert resumed.drafter.context_block.next_token_input.weight.abs().max() > 0  # it learns from zero
     assert [r["loss"] for r in read_metrics(run_dir) if "loss" in r] == \
         [r["loss"] for r in read_metrics(tmp_path / "reference") if "loss" in r]
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step-3", "step-6"]

@@ -99,6 +99,15 @@ class RaggedBatch:
         columns = self.prefix_lengths()[:, None] + offset + torch.arange(tokens.shape[1], device=tokens.device)
         self.tokens[self.row_ids[:, None], columns] = tokens
 
+    def next_tokens(self, source_index: torch.LongTensor, num_inputs: int) -> torch.LongTensor:
+        """After a forward of T = num_inputs inputs and its commit: `[B, T]` the token that follows each input, where
+        `source_index` `[B]` is each row's last accepted input (followed by the row's last committed token). Entries
+        after it read the scratch space; they belong to rejected inputs, which the caches hide. (A row cut short by
+        a stopping criterion is misaligned here, but it is retired before it drafts again.)"""
+        start = self.prefix_lengths() - 1 - source_index
+        columns = start[:, None] + torch.arange(num_inputs, device=start.device)
+        return self.tokens[self.row_ids[:, None], columns.clamp(max=self.tokens.shape[1] - 1)]
+
     def commit_tokens(self, tokens: torch.LongTensor, counts: torch.LongTensor) -> None:
         """Appends the first `counts[b]` of `tokens[b]` (`[B, n]`) to each active row's generated tokens."""
         self.write(tokens)

@@ -33,6 +33,7 @@ distribution. It must be paired with its target; binding to another target raise
 - parameters: {params:.2f}M (the target's final norm and lm_head are shared at run time, not stored here)
 - draft slots l_d = {draft_length}, default k = {k}
 - draft vocabulary: {draft_vocab}
+- next-token input: {next_token}
 
 ## Usage
 
@@ -120,8 +121,13 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
         f"{config.draft_vocab_size} tokens (the most frequent reply tokens of the distilled data: the draft head reads "
         f"{config.draft_vocab_size} of the lm_head's {config.vocab_size} rows; verification uses all of them)"
     )
+    next_token = (
+        "yes (an extension of the paper, as in EAGLE: each position also reads the embedding of the token after it, "
+        "so the first draft slot knows the correction/bonus token the target has just committed)"
+        if config.next_token_input else "no (as in the paper)"
+    )
     return CARD_TEMPLATE.format(
-        base_model=base_model, name=name, results=results, k=config.num_speculative_tokens,
+        next_token=next_token, base_model=base_model, name=name, results=results, k=config.num_speculative_tokens,
         hooks=config.hook_layers, draft_length=config.draft_length,
         params=drafter.num_parameters() / 1e6, draft_vocab=draft_vocab, evaluation=evaluation, benchmark=benchmark,
     )

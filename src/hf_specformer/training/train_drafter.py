@@ -76,6 +76,8 @@ class DrafterTrainingConfig:
         output_dir: where checkpoints, `metrics.jsonl`, `eval.json` and the exported `drafter/` go.
         target: the frozen target (`smollm2`, a local folder, a `.gguf` file or a Hub name), loaded in float32.
         draft_length: l_d, the number of draft slots trained (all of them, equal weights).
+        next_token_input: build the drafter with `SpecFormerConfig.next_token_input` (position t also reads x_{t+1};
+            an extension, not in the paper). With `init_from` a drafter without it gains it, starting at zero.
         epochs: passes over the training split; ignored when `max_steps` is set.
         max_steps: optimiser steps to run; overrides `epochs` (the data is cycled as needed).
         per_device_batch_size: sequences per micro-batch and process.
@@ -113,12 +115,18 @@ class DrafterTrainingConfig:
         num_threads: torch CPU threads per process (0: torch's default).
         resume: continue from the latest checkpoint in `output_dir/checkpoints` (from scratch if there is none).
         init_from: a drafter folder whose weights start the run (e.g. continued training on more data).
+        new_parameter_learning_rate_scale: with `init_from`, the parameters that folder lacks (e.g. a next-token
+            input added to a drafter trained without it) train at this multiple of the learning rate: a new matrix
+            that starts at zero would otherwise grow only at the fine-tuning pace of the trained ones.
     """
 
     data: str = field(metadata={"help": "Distill output folder or a `save_to_disk` dataset folder."})
     output_dir: str = field(metadata={"help": "Folder for checkpoints, metrics.jsonl, eval.json and drafter/."})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "Target model: smollm2, a folder, a .gguf file."})
     draft_length: int = field(default=8, metadata={"help": "l_d, the number of draft slots."})
+    next_token_input: bool = field(
+        default=False, metadata={"help": "The drafter also reads the token after each position (not in the paper)."}
+    )
     epochs: float = field(default=1.0, metadata={"help": "Passes over the training split (unless max_steps)."})
     max_steps: int | None = field(default=None, metadata={"help": "Optimiser steps; overrides epochs."})
     per_device_batch_size: int = field(default=8, metadata={"help": "Sequences per micro-batch and process."})
@@ -158,9 +166,13 @@ class DrafterTrainingConfig:
     init_from: str | None = field(
         default=None, metadata={"help": "Start from this drafter folder's weights instead of a fresh init."}
     )
+    new_parameter_learning_rate_scale: float = field(
+        default=1.0, metadata={"help": "With init_from: learning-rate multiple of the parameters it lacks."}
+    )
 
     def __post_init__(self):
-        positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps")
+        positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps",
+                    "new_parameter_learning_rate_scale")
         non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "ce_positions_per_sequence",
                         "feature_loss_weight", "draft_vocab_size", "eval_every", "save_every", "num_threads",
                         "min_learning_rate")
@@ -398,6 +410,13 @@ def intra_batch_backward(
 
 
 @torch.no_grad()
+def next_token_ids(input_ids: torch.LongTensor) -> torch.LongTensor:
+    """`[B, T]` -> `[B, T]`: x_{t+1} at t (the drafter's `next_token_ids`); the last column, which has no next token
+    and no label, repeats the last input."""
+    return torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+
+
+@torch.no_grad()
 def target_hidden_states(
     target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
@@ -484,14 +503,21 @@ def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float) -> Ca
     return factor
 
 
-def build_optimizer(drafter: torch.nn.Module, config: DrafterTrainingConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on the weight matrices only."""
-    parameters = [p for p in drafter.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.learning_rate, eps=config.adam_eps)
+def build_optimizer(
+    drafter: torch.nn.Module, config: DrafterTrainingConfig, new_parameters: frozenset[str] = frozenset()
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on the weight matrices only; the parameters named in `new_parameters` at
+    `config.new_parameter_learning_rate_scale` times the learning rate."""
+    groups = []
+    for is_new in (False, True):
+        learning_rate = config.learning_rate * (config.new_parameter_learning_rate_scale if is_new else 1.0)
+        parameters = [p for name, p in drafter.named_parameters() if p.requires_grad and (name in new_parameters) == is_new]
+        groups += [
+            {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": config.weight_decay, "lr": learning_rate},
+            {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0, "lr": learning_rate},
+        ]
+    return torch.optim.AdamW([group for group in groups if group["params"]], lr=config.learning_rate,
+                             eps=config.adam_eps)
 
 
 # ----- evaluation ----------------------------------------------------------------------------------------------
@@ -522,7 +548,8 @@ def draft_tokens(
     hooked = hooked_target_states(target, drafter, ids, torch.ones_like(ids))
     positions = torch.arange(start, ids.shape[1] - 2, device=ids.device)
     chunks = [
-        drafter(hooked, use_cache=False, draft_positions=chunk[None], num_draft_tokens=max_k).logits[0].argmax(-1)
+        drafter(hooked, use_cache=False, draft_positions=chunk[None], num_draft_tokens=max_k,
+                next_token_ids=next_token_ids(ids)).logits[0].argmax(-1)
         for chunk in positions.split(chunk_size)
     ]
     return torch.cat(chunks) if chunks else torch.zeros((0, max_k), dtype=torch.long, device=ids.device)
@@ -680,20 +707,27 @@ class StopOnSignal:
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
-def build_drafter(target: PreTrainedModel, config: DrafterTrainingConfig) -> SpecFormerForDrafting:
-    """The drafter to train, in the target's dtype, bound to it, in training mode: freshly initialised, or the
-    weights of `config.init_from` (continued training on new data; optimiser and schedule start afresh)."""
+def build_drafter(
+    target: PreTrainedModel, config: DrafterTrainingConfig
+) -> tuple[SpecFormerForDrafting, frozenset[str]]:
+    """The drafter to train, in the target's dtype, bound to it, in training mode, and the names of its parameters
+    that `config.init_from` did not hold: freshly initialised (no names), or the weights of `config.init_from`
+    (continued training on new data, optionally gaining the next-token input; optimiser and schedule start afresh)."""
     if config.init_from:
-        drafter = SpecFormerForDrafting.from_pretrained(config.init_from, dtype=target.dtype)
+        extra = {"next_token_input": True} if config.next_token_input else {}
+        drafter, loading = SpecFormerForDrafting.from_pretrained(
+            config.init_from, dtype=target.dtype, output_loading_info=True, **extra
+        )
         if drafter.config.draft_length != config.draft_length:
             raise ValueError(
                 f"`init_from` has draft_length {drafter.config.draft_length}, the run asks for {config.draft_length}."
             )
-        return drafter.bind_target(target).train()
-    drafter_config = SpecFormerConfig.from_target_config(target.config, draft_length=config.draft_length)
+        return drafter.bind_target(target).train(), frozenset(loading["missing_keys"])
+    drafter_config = SpecFormerConfig.from_target_config(
+        target.config, draft_length=config.draft_length, next_token_input=config.next_token_input
+    )
     drafter = SpecFormerForDrafting(drafter_config).to(target.dtype)
-    return drafter.bind_target(target).train()
-
+    return drafter.bind_target(target).train(), frozenset()
 
 
 def total_optimizer_steps(config: DrafterTrainingConfig, batches_per_epoch: int) -> int:
@@ -732,7 +766,8 @@ def train_micro_batch(
                                            config.positions_per_sequence, rng)
         positions, mask = positions.to(accelerator.device), mask.to(accelerator.device)
         output = drafter(hooked, attention_mask=batch.attention_mask, use_cache=False, draft_positions=positions,
-                         num_draft_tokens=config.draft_length, return_logits=False)
+                         num_draft_tokens=config.draft_length, return_logits=False,
+                         next_token_ids=next_token_ids(batch.input_ids))
         labels = slot_labels(batch, positions, mask, config.draft_length)
         features = future_states(last, positions, config.draft_length) if config.feature_loss_weight > 0 else None
         return intra_batch_backward(
@@ -818,8 +853,8 @@ def train(
     batches_per_epoch = math.ceil(len(train_set) / (config.per_device_batch_size * accelerator.num_processes))
     total_steps = total_optimizer_steps(config, batches_per_epoch)
 
-    drafter = build_drafter(target, config)
-    optimizer = build_optimizer(drafter, config)
+    drafter, new_parameters = build_drafter(target, config)
+    optimizer = build_optimizer(drafter, config, new_parameters)
     schedule = warmup_cosine(total_steps, config.warmup_ratio, config.min_learning_rate / config.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)

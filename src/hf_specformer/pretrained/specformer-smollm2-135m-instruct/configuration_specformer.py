@@ -41,6 +41,11 @@ class SpecFormerConfig(PreTrainedConfig):
             so the draft head multiplies by V_d rows of the target's lm_head instead of all V (a reduced draft
             vocabulary, as in EAGLE-3 and FR-Spec). The other tokens get logit -inf. Verification still uses the
             target's full distribution, so outputs are unchanged. `None`: the whole vocabulary.
+        next_token_input (`bool`): an extension, not in the paper (off by default). Each context position t also
+            reads the embedding of the token that follows it, x_{t+1}, through the target's input embeddings, as
+            EAGLE does. At drafting time x_{t+1} is the correction/bonus token the target has just committed, so
+            slot 1 no longer guesses x_{t+2} blind to x_{t+1}. Costs one embedding lookup and one d x d matrix per
+            position; the projection starts at zero, so a drafter trained without it can be fine-tuned with it.
         attention_dropout (`float`): dropout on attention probabilities during training.
         initializer_range (`float`): std of the normal init of linear weights.
     """
@@ -65,6 +70,7 @@ class SpecFormerConfig(PreTrainedConfig):
     target_architecture: str | None = None
     target_name_or_path: str | None = None
     draft_vocab_size: int | None = None
+    next_token_input: bool = False
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
 

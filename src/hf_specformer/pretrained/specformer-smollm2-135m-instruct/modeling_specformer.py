@@ -7,6 +7,7 @@ Data flow for new positions t of one forward (B = batch, T = new positions, d = 
 asked for, k = drafts):
 
     4 hooked target states [B, T, 4, d] -> grouped RMSNorm -> concat [B, T, 4d] -> W_D (4d -> d, no bias)
+    [+ W_E . RMSNorm(embedding of x_{t+1})]                           # only with config.next_token_input
     -> (causal self-attention with RoPE over the context, own KV cache) + residual       # eq. 8, "layer L+1"
     -> gather the P positions asked for [B, P, d]
     -> RMSNorm -> positional FFN W_P (d -> l_d * d, with bias) -> [B * P, l_d, d]          # eq. 9
@@ -24,6 +25,9 @@ Choices where the paper is silent (documented here once):
 - The slot attention has no RoPE: slots are told apart by the positional FFN's per-slot weights and bias.
 - The final norm and lm_head are the target's and are *not* part of this model's weights: `bind_target` attaches
   them at run time (and checks that the target matches), so a checkpoint never duplicates the vocabulary matrix.
+- Extension (`config.next_token_input`, off by default): position t may also read x_{t+1}, the token the target
+  committed after it (at drafting time: the correction/bonus token), through the target's input embeddings (bound
+  like the head). Without it, slot 1 guesses x_{t+2} without knowing x_{t+1}.
 
 This file is shipped to the Hub as remote code: it imports only torch, transformers and its sibling config.
 """
@@ -214,6 +218,20 @@ class SpecFormerAttention(nn.Module):
         return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
 
 
+class SpecFormerNextTokenInput(nn.Module):
+    """`config.next_token_input`: W_E . RMSNorm(e), e the target's embedding of x_{t+1}; W_E starts at zero (so a
+    drafter trained without it drafts the same until fine-tuned)."""
+
+    def __init__(self, config: SpecFormerConfig):
+        super().__init__()
+        self.norm = SpecFormerRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.weight = nn.Parameter(torch.zeros(config.hidden_size, config.hidden_size))  # W_E, d -> d
+
+    def forward(self, next_token_embeds: torch.Tensor) -> torch.Tensor:
+        """`[B, T, d]` -> `[B, T, d]`."""
+        return nn.functional.linear(self.norm(next_token_embeds), self.weight)
+
+
 class SpecFormerContextBlock(nn.Module):
     """Eq. 8: I_D = (MSA . RMS + I)(W_D . I_Cat), the drafter's "layer L+1" over the context (no FFN after it)."""
 
@@ -221,12 +239,17 @@ class SpecFormerContextBlock(nn.Module):
         super().__init__()
         self.hooked_norm = SpecFormerGroupedRMSNorm(NUM_HOOKED_STATES, config.hidden_size, eps=config.rms_norm_eps)
         self.down_proj = nn.Linear(NUM_HOOKED_STATES * config.hidden_size, config.hidden_size, bias=False)
+        self.next_token_input = SpecFormerNextTokenInput(config) if config.next_token_input else None
         self.input_layernorm = SpecFormerRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = SpecFormerAttention(config, is_causal=True)
 
-    def forward(self, hooked_states, position_embeddings, attention_mask, past_key_values) -> torch.Tensor:
-        """hooked_states `[B, T, 4, d]` -> context states `[B, T, d]`."""
+    def forward(
+        self, hooked_states, position_embeddings, attention_mask, past_key_values, next_token_embeds=None
+    ) -> torch.Tensor:
+        """hooked_states `[B, T, 4, d]` (and next_token_embeds `[B, T, d]` with `next_token_input`) -> `[B, T, d]`."""
         fused = self.down_proj(self.hooked_norm(hooked_states).flatten(-2))  # [B, T, 4d] -> [B, T, d]
+        if self.next_token_input is not None:
+            fused = fused + self.next_token_input(next_token_embeds)
         attended = self.self_attn(self.input_layernorm(fused), position_embeddings, attention_mask, past_key_values)
         return fused + attended
 
@@ -286,6 +309,8 @@ class SpecFormerPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, SpecFormerRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, SpecFormerNextTokenInput):
+            init.zeros_(module.weight)
         elif isinstance(module, SpecFormerRotaryEmbedding):  # non-persistent: rebuilt after meta-device loading
             init.copy_(module.inv_freq, module.compute_inv_freq()[0])
         elif isinstance(module, SpecFormerForDrafting) and module.draft_vocab_ids is not None:
@@ -310,12 +335,14 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         draft_vocab_ids = None if config.draft_vocab_size is None else torch.arange(config.draft_vocab_size)
         self.register_buffer("draft_vocab_ids", draft_vocab_ids, persistent=True)  # [V_d] or None
         self._target_head: tuple[nn.Module, nn.Module] | None = None  # (final norm, lm_head); never saved
+        self._target_embeddings: tuple[nn.Module] | None = None  # (input embeddings,): a tuple, so never saved
         self._draft_head: tuple[tuple, nn.Linear] | None = None  # (key, draft_head()) cache
         self.post_init()
 
     # ----- binding to the target -------------------------------------------------------------------------------
     def bind_target(self, target: PreTrainedModel, strict: bool = True) -> "SpecFormerForDrafting":
-        """Shares the target's final norm and lm_head (not copied, not saved) after checking the target matches.
+        """Shares the target's final norm and lm_head, and its input embeddings (not copied, not saved) after
+        checking the target matches.
 
         Raises `ValueError` when hidden size, vocabulary size or layer count differ from the config, or (with
         `strict`) when the target's `model_type` differs from the one the drafter was built for.
@@ -341,6 +368,7 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         if lm_head is None or final_norm is None:
             raise ValueError(f"{type(target).__name__} has no final `norm` and `lm_head` for the drafter to share.")
         self._target_head = (final_norm, lm_head)
+        self._target_embeddings = (target.get_input_embeddings(),)
         return self
 
     @property
@@ -430,6 +458,7 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         draft_positions: torch.LongTensor | None = None,
         num_draft_tokens: int | None = None,
         return_logits: bool = True,
+        next_token_ids: torch.LongTensor | None = None,
     ) -> SpecFormerOutput:
         r"""
         Args:
@@ -442,6 +471,9 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
             draft_positions (`[B, P]`, *optional*): indices in 0..T-1 where to draft; default: the last one (P = 1).
             num_draft_tokens (`int`, *optional*): k <= l_d; default `config.num_speculative_tokens`.
             return_logits: compute logits (needs `bind_target`); with False only `slot_hidden_states` are returned.
+            next_token_ids (`[B, T]`, *optional*): x_{t+1} for each new position t: the token that follows it (for
+                a drafting position, the token the target committed after it). Required with
+                `config.next_token_input` (and `bind_target`), ignored otherwise.
         """
         hooked_states = self._stack_hooked_states(hooked_states)  # [B, T, 4, d]
         batch, new_positions = hooked_states.shape[:2]
@@ -459,7 +491,10 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
 
         mask = self._context_attention_mask(attention_mask, batch, past_length, new_positions, hooked_states)
         position_embeddings = self.rotary_emb(hooked_states, position_ids)
-        context_states = self.context_block(hooked_states, position_embeddings, mask, past_key_values)  # [B, T, d]
+        next_token_embeds = self._embed_next_tokens(next_token_ids, hooked_states)
+        context_states = self.context_block(
+            hooked_states, position_embeddings, mask, past_key_values, next_token_embeds
+        )  # [B, T, d]
         index = draft_positions[..., None].expand(-1, -1, context_states.shape[-1])
         slot_states = self.slot_block(torch.gather(context_states, 1, index), num_draft_tokens)  # [B, P, k, d]
         logits = self.draft_logits(slot_states) if return_logits else None
@@ -481,6 +516,20 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         if stacked.shape[-1] != self.config.hidden_size:
             raise ValueError(f"Hooked states have width {stacked.shape[-1]}, expected {self.config.hidden_size}.")
         return stacked.to(self.dtype)
+
+    def _embed_next_tokens(self, next_token_ids: torch.LongTensor | None, hooked_states: torch.Tensor):
+        """The target's embeddings `[B, T, d]` of next_token_ids, with `config.next_token_input`; else None."""
+        if not self.config.next_token_input:
+            return None
+        if next_token_ids is None or next_token_ids.shape != hooked_states.shape[:2]:
+            shape = None if next_token_ids is None else tuple(next_token_ids.shape)
+            raise ValueError(
+                f"This drafter reads the token after each position (config.next_token_input): pass "
+                f"`next_token_ids` [B, T] = {tuple(hooked_states.shape[:2])}, got {shape}."
+            )
+        if self._target_embeddings is None:
+            raise RuntimeError("Call `draft.bind_target(target)` before running a drafter with `next_token_input`.")
+        return self._target_embeddings[0](next_token_ids).to(self.dtype)
 
     def _check_num_draft_tokens(self, num_draft_tokens: int | None) -> int:
         k = self.config.num_speculative_tokens if num_draft_tokens is None else int(num_draft_tokens)

@@ -7,7 +7,7 @@ token. The engine turns them into draft tokens (argmax or sampling, after logits
 - `SpecFormerProposer`: the SpecFormer drafter, fused with verification (paper: one forward per step). It reads the
   target's hooked hidden states of the forward's T inputs, appends them to its own context-attention cache, and runs
   the slot stage only at each row's last accepted input, whose slot j predicts the (j + 1)-th token after the
-  correction/bonus token.
+  correction/bonus token (which a drafter with `next_token_input` reads).
 - `OracleProposer`: proposes a known continuation (the target's own greedy output), so every draft is accepted under
   greedy decoding; it measures the engine's ceiling apart from drafter quality.
 
@@ -99,6 +99,7 @@ class SpecFormerProposer(Proposer):
             past_key_values=self.cache,
             draft_positions=source_index[:, None],
             num_draft_tokens=self.num_draft_tokens,
+            next_token_ids=batch.next_tokens(source_index, position_ids.shape[1]),
         )
         return output.logits[:, 0]  # [B, k, V]
 
