@@ -43,10 +43,12 @@ def show_drafts(target, drafter, tokenizer, prompt: str, k: int) -> None:
     """Prints the first token the target picks and the k tokens the drafter proposes after it."""
     input_ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
     output = target(input_ids, output_hidden_states=True)
-    drafts = drafter(drafter.select_hooked_states(output.hidden_states), num_draft_tokens=k).logits[0, 0].argmax(-1)
-    first = output.logits[0, -1].argmax()
+    first = output.logits[:, -1].argmax(-1)  # [1]
+    next_token_ids = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)  # the token after each position
+    hooked = drafter.select_hooked_states(output.hidden_states)
+    drafts = drafter(hooked, num_draft_tokens=k, next_token_ids=next_token_ids).logits[0, 0].argmax(-1)
     print(f"prompt: {prompt!r}")
-    print(f"target's next token: {tokenizer.decode(first)!r}; drafter proposes the {k} after it: "
+    print(f"target's next token: {tokenizer.decode(first[0])!r}; drafter proposes the {k} after it: "
           f"{[tokenizer.decode(t) for t in drafts]}")
 
 

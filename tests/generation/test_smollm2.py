@@ -66,3 +66,12 @@ def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
         is_tie, column, gap = first_divergence_is_tie(target, reference[row], output[row], inputs["attention_mask"][row])
         print(f"row {row}: divergence at column {column}, top-2 logit gap {gap:.2e}")
         assert is_tie, f"row {row} diverges at column {column} where the top-2 gap is {gap:.2e} (not a tie)"
+
+
+def test_demo_runs_with_the_shipped_drafter(capsys):
+    """The README's main command, small: the shipped drafter drafts (with its next-token input) and generates."""
+    from hf_specformer import demo
+
+    result = demo.main(["--batch-size", "2", "--max-new-tokens", "16"])
+    assert result["identical"] and result["tokens_per_step"] > 1.0
+    assert "drafter proposes the 4 after it" in capsys.readouterr().out

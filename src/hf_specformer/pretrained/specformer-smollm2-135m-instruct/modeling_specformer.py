@@ -325,6 +325,7 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         >>> out = target(input_ids, output_hidden_states=True)
         >>> hooked = draft.select_hooked_states(out.hidden_states)          # 4 x [B, T, d]
         >>> draft(hooked).logits.shape                                      # [B, 1, k, V]
+        >>> # with config.next_token_input, also pass next_token_ids [B, T]: the token after each position
     """
 
     def __init__(self, config: SpecFormerConfig):
