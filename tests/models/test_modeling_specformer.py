@@ -99,7 +99,8 @@ def test_next_token_input_is_read_and_cached(target):
     assert not torch.allclose(full, other)
     cache = DynamicCache()
     for start, end in [(0, 4), (4, 5), (5, 11)]:
-        piece = drafter([s[:, start:end] for s in states], past_key_values=cache, next_token_ids=next_ids[:, start:end],
+        piece = drafter([s[:, start:end] for s in states], past_key_values=cache,
+                        next_token_ids=next_ids[:, start:end],
                         draft_positions=torch.arange(end - start)[None].expand(2, -1)).logits
         torch.testing.assert_close(piece, full[:, start:end], rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="next_token_ids"):

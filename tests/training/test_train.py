@@ -24,6 +24,8 @@ from hf_specformer.training.train_drafter import (
     IGNORE_INDEX,
     DrafterTrainingConfig,
     acceptance_steps,
+    build_drafter,
+    build_optimizer,
     collate,
     TargetStateCache,
     evaluate_kappa,
@@ -235,6 +237,26 @@ def test_training_lowers_the_loss_and_exports(tmp_path):
     assert evaluation["step"] == 30 and len(evaluation["kappa"]) == 4
     assert all(1.0 <= kappa <= k + 1 for k, kappa in enumerate(evaluation["kappa"], start=1))
     assert evaluation["kappa"] == sorted(evaluation["kappa"])  # trained on a predictable reply: grows with k
+
+
+def test_init_from_a_plain_drafter_adds_the_next_token_input_at_its_own_learning_rate(tmp_path):
+    """Fine-tuning a drafter trained without the next-token input into one with it: the trained weights load, the new
+    ones start at zero and are the only ones at `new_parameter_learning_rate_scale` times the learning rate."""
+    target = make_target()
+    plain = make_drafter(target)
+    plain.save_pretrained(tmp_path / "plain")
+    config = make_config(tmp_path / "run", init_from=str(tmp_path / "plain"), next_token_input=True,
+                         new_parameter_learning_rate_scale=10.0)
+    drafter, new_parameters = build_drafter(target, config)
+    assert new_parameters == {"context_block.next_token_input.weight", "context_block.next_token_input.norm.weight"}
+    assert drafter.context_block.next_token_input.weight.abs().max() == 0
+    torch.testing.assert_close(drafter.context_block.down_proj.weight, plain.context_block.down_proj.weight)
+    optimizer = build_optimizer(drafter, config, new_parameters)
+    names = {id(p): name for name, p in drafter.named_parameters()}
+    rates = {names[id(p)]: group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    assert len(rates) == len(names)
+    assert {name for name, lr in rates.items() if lr == pytest.approx(3e-2)} == new_parameters
+    assert {lr for name, lr in rates.items() if name not in new_parameters} == {3e-3}
 
 
 @pytest.mark.parametrize("interruption", ["crash", "stop_and_extend"])

@@ -510,11 +510,12 @@ def build_optimizer(
     `config.new_parameter_learning_rate_scale` times the learning rate."""
     groups = []
     for is_new in (False, True):
-        learning_rate = config.learning_rate * (config.new_parameter_learning_rate_scale if is_new else 1.0)
-        parameters = [p for name, p in drafter.named_parameters() if p.requires_grad and (name in new_parameters) == is_new]
+        lr = config.learning_rate * (config.new_parameter_learning_rate_scale if is_new else 1.0)
+        parameters = [p for name, p in drafter.named_parameters()
+                      if p.requires_grad and (name in new_parameters) == is_new]
         groups += [
-            {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": config.weight_decay, "lr": learning_rate},
-            {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0, "lr": learning_rate},
+            {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": config.weight_decay, "lr": lr},
+            {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0, "lr": lr},
         ]
     return torch.optim.AdamW([group for group in groups if group["params"]], lr=config.learning_rate,
                              eps=config.adam_eps)
@@ -547,9 +548,10 @@ def draft_tokens(
     ids = input_ids[None]
     hooked = hooked_target_states(target, drafter, ids, torch.ones_like(ids))
     positions = torch.arange(start, ids.shape[1] - 2, device=ids.device)
+    following = next_token_ids(ids)
     chunks = [
         drafter(hooked, use_cache=False, draft_positions=chunk[None], num_draft_tokens=max_k,
-                next_token_ids=next_token_ids(ids)).logits[0].argmax(-1)
+                next_token_ids=following).logits[0].argmax(-1)
         for chunk in positions.split(chunk_size)
     ]
     return torch.cat(chunks) if chunks else torch.zeros((0, max_k), dtype=torch.long, device=ids.device)
