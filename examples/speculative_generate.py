@@ -5,7 +5,8 @@
 1. Hub style: `target.generate(..., assistant_model=draft, custom_generate=drafter_dir, trust_remote_code=True)`,
    which runs the drafter folder's `custom_generate/generate.py` (works without installing hf-specformer).
 2. Package style: `hf_specformer.generate(target, ..., assistant_model=draft)`.
-Both give exactly the target's own greedy output.
+Both give exactly the target's own greedy output. Prompt lookup runs on top of the drafter by default;
+`lookup_ngram_size=0` drafts with the drafter alone.
 """
 
 import torch
@@ -33,7 +34,12 @@ plain = target.generate(**inputs, max_new_tokens=64, do_sample=False)
 assert torch.equal(hub_style.sequences, plain) and torch.equal(package_style, plain)
 stats = hub_style.speculation_stats
 print(f"identical to plain generate; tokens per target forward: {stats.tokens_per_step:.2f}, "
-      f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}")
+      f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}, "
+      f"drafts from prompt lookup: {stats.looked_up}")
+drafter_only = hf_specformer.generate(target, **inputs, assistant_model=draft, max_new_tokens=64, do_sample=False,
+                                      lookup_ngram_size=0, return_dict_in_generate=True)
+assert torch.equal(drafter_only.sequences, plain)
+print(f"drafter alone: tokens per target forward {drafter_only.speculation_stats.tokens_per_step:.2f}")
 for row in tokenizer.batch_decode(hub_style.sequences[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True):
     print("-", row.strip()[:200])
 

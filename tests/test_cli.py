@@ -30,7 +30,9 @@ def test_bench_needs_a_mode():
     with pytest.raises(SystemExit, match="--oracle"):
         config_from_args(build_parser().parse_args([]))
     config = config_from_args(build_parser().parse_args(["--oracle", "--drafter", "d", "--batch-sizes", "1", "4"]))
-    assert config.modes == ["oracle", "d"] and config.batch_sizes == [1, 4]
+    assert config.modes == ["oracle", "d", "d+lookup"] and config.batch_sizes == [1, 4]
+    config = config_from_args(build_parser().parse_args(["--oracle", "--drafter", "d", "--lookup", "on"]))
+    assert config.modes == ["oracle", "d+lookup"]
 
 
 def test_export_writes_hub_folder_with_card(tmp_path):
@@ -45,6 +47,23 @@ def test_export_writes_hub_folder_with_card(tmp_path):
     card = (folder / "README.md").read_text()
     assert "base_model:" in card and "speculative-decoding" in card and "| 2 | 1.800 |" in card
     assert f"parameters: {drafter.num_parameters() / 1e6:.2f}M" in card
+
+
+def test_card_reports_the_drafter_with_and_without_prompt_lookup(tmp_path):
+    from hf_specformer.hub.cards import render_card
+
+    def row(mode, speedup):
+        return {"mode": mode, "batch_size": 1, "num_batches": 8, "mismatched_rows": 0, "plain_tokens_per_s": 10.0,
+                "spec_tokens_per_s": 10.0 * speedup, "speedup": speedup, "decode_speedup": speedup,
+                "tokens_per_step": 1.5}
+
+    report = {"machine": {"platform": "p", "torch": "t", "threads": 2}, "prompt_source": "mt.jsonl",
+              "config": {"max_new_tokens": 128, "num_draft_tokens": 4},
+              "results": [row("oracle", 3.0), row("d", 0.9), row("d+lookup", 1.2)]}
+    (tmp_path / "bench.json").write_text(json.dumps(report))
+    card = render_card(make_drafter(make_target("llama")), bench_path=str(tmp_path / "bench.json"), drafter_mode="d")
+    assert "| 1 | no | 10.0 | 9.0 | 0.90x |" in card and "| 1 | yes | 10.0 | 12.0 | 1.20x |" in card
+    assert "3.00x" not in card and "speedup_bs1, value: 0.900" in card and "speedup_lookup_bs1, value: 1.200" in card
 
 
 def test_export_sets_a_draft_vocabulary_from_distilled_data(tmp_path):

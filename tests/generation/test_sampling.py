@@ -17,6 +17,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from hf_specformer import generate
 
 VOCAB, NEW_TOKENS, SAMPLES, ALPHA = 12, 3, 30_000, 1e-3
+LOOKUP_PROMPT = [token for x in range(VOCAB) for token in (5, x)] + [5]  # holds the pad id 0: pass a mask
 
 
 def sharp_target(seed: int = 0):
@@ -57,16 +58,20 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "sampling, draft_vocab, seed",
-    [({"temperature": 1.0}, None, 1234), ({"temperature": 0.8, "top_k": 5}, None, 1234),
-     ({"temperature": 1.0, "top_p": 0.8}, None, 1234), ({"temperature": 1.0}, [0, 2, 3, 5, 8, 11], 7)],
-    ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab"],
+    "sampling, draft_vocab, prompt, seed",
+    [({"temperature": 1.0}, None, [3, 7, 1, 5], 1234), ({"temperature": 0.8, "top_k": 5}, None, [3, 7, 1, 5], 1234),
+     ({"temperature": 1.0, "top_p": 0.8}, None, [3, 7, 1, 5], 1234),
+     ({"temperature": 1.0}, [0, 2, 3, 5, 8, 11], [3, 7, 1, 5], 7),
+     ({"temperature": 1.0}, None, LOOKUP_PROMPT, 99), ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 5)],
+    ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup"],
 )
-def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, seed):
-    """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest."""
+def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed):
+    """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest.
+    `lookup`: the prompt holds "5 x" for every token x and ends with 5, so whatever token comes first, prompt
+    lookup proposes one-hot drafts after it (checked)."""
     target = sharp_target()
     drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
-    prompt = torch.tensor([3, 7, 1, 5])
+    prompt = torch.tensor(prompt)
     config = GenerationConfig(do_sample=True, max_new_tokens=NEW_TOKENS, pad_token_id=0, **sampling)
     processors = target._get_logits_processor(generation_config=config, input_ids_seq_length=len(prompt))
     reference = exact_joint(target, prompt, processors)
@@ -75,7 +80,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, seed)
     rows = []
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
         out = generate(
-            target, input_ids=prompt[None].repeat(5000, 1), assistant_model=drafter, num_draft_tokens=3,
+            target, input_ids=prompt[None].repeat(5000, 1), attention_mask=torch.ones(5000, len(prompt)),
+            assistant_model=drafter, num_draft_tokens=3,
             generation_config=config,
         )
         rows.append(out[:, len(prompt):])
@@ -84,6 +90,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, seed)
     counts = torch.bincount(codes, minlength=VOCAB**NEW_TOKENS).double()
     stats = drafter.speculation_stats
     assert 0 < stats.accepted < stats.drafted, "the test needs both acceptances and rejections"
+    if prompt.tolist() == LOOKUP_PROMPT:
+        assert stats.looked_up >= 5000, "every row's first drafts (of the last call's 5000) must come from lookup"
 
     assert chi_square_p_value(counts, reference) > ALPHA
     wrong = exact_joint(target, prompt, target._get_logits_processor(

@@ -166,6 +166,18 @@ def test_load_prompts_detects_the_prompt_field(tmp_path):
     assert load_prompts([source, turns]) == ["Why?", "How?", "First turn"]  # several sources, each its own field
 
 
+def test_load_prompts_interleaves_categories(tmp_path):
+    """A file sorted by category (as MT-bench's is) comes out round-robin, so any prefix mixes the categories;
+    empty prompts are dropped with their category, and a source without the field is one group."""
+    rows = [{"category": c, "turns": [f"{c}{i}" if i < 3 or c != "a" else ""]} for c in "abc" for i in range(4)]
+    source = write_jsonl(tmp_path / "mt.jsonl", rows)
+    assert load_prompts(source, interleave_field="category") == [
+        "a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2", "b3", "c3"]
+    assert load_prompts(source, interleave_field="category", limit=4) == ["a0", "b0", "c0", "a1"]
+    plain = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}, {"prompt": "y"}])
+    assert load_prompts([plain, source], interleave_field="category")[:4] == ["x", "a0", "b0", "c0"]
+
+
 def test_load_prompts_rejects_unknown_fields(tmp_path):
     source = write_jsonl(tmp_path / "x.jsonl", [{"body": "Hello", "label": 0}])
     with pytest.raises(ValueError, match="body"):

@@ -1,6 +1,6 @@
 """Batched, lossless speculative generation (shipped flattened as the drafter folder's `custom_generate/`)."""
 
-from .drafting import OracleProposer, Proposer, SpecFormerProposer
+from .drafting import OracleProposer, PromptLookupProposer, Proposer, SpecFormerProposer
 from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
 from .generate import generate
 from .products import FewRowLinears
@@ -9,6 +9,7 @@ from .stats import SpecStats
 __all__ = [
     "FewRowLinears",
     "OracleProposer",
+    "PromptLookupProposer",
     "Proposer",
     "SpecFormerProposer",
     "SpecStats",

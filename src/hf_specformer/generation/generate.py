@@ -9,6 +9,8 @@ This file is the drafter folder's `custom_generate/generate.py` (bundled with it
 only torch, transformers (and numpy, which transformers requires) and siblings. Arguments beyond `generate`'s:
     assistant_model: a SpecFormer drafter (bound to `model` here if it is not yet) or a `Proposer`.
     num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`).
+    lookup_ngram_size: add prompt lookup (`PromptLookupProposer`): where a row's last n committed tokens (n = this
+        down to 2) occurred earlier in the row, the tokens that followed them are the drafts. 0 turns it off.
     compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the
         columns (default 0.5; above 1 never).
 Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
@@ -23,14 +25,23 @@ import copy
 import torch
 from transformers import GenerationConfig, GenerationMixin
 
-from .drafting import Proposer, SpecFormerProposer
+from .drafting import PromptLookupProposer, Proposer, SpecFormerProposer
 from .engine import COMPACTION_HOLE_FRACTION, speculative_decode
 
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
+LOOKUP_NGRAM_SIZE = 4
+"""Default longest n-gram of prompt lookup (see `PromptLookupProposer` for the measurement behind it)."""
 
-def _make_proposer(model, assistant_model, num_draft_tokens: int | None) -> Proposer:
-    """The proposer behind `assistant_model`, bound to `model` and checked against it."""
+
+def _make_proposer(model, assistant_model, num_draft_tokens: int | None, lookup_ngram_size: int) -> Proposer:
+    """The proposer behind `assistant_model`, bound to `model` and checked against it, with prompt lookup on top
+    when `lookup_ngram_size` > 0."""
+    proposer = _assistant_proposer(model, assistant_model, num_draft_tokens)
+    return PromptLookupProposer(proposer, lookup_ngram_size) if lookup_ngram_size else proposer
+
+
+def _assistant_proposer(model, assistant_model, num_draft_tokens: int | None) -> Proposer:
     if isinstance(assistant_model, Proposer):
         if num_draft_tokens not in (None, assistant_model.num_draft_tokens):
             raise ValueError(
@@ -100,13 +111,14 @@ def generate(
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
     num_draft_tokens: int | None = None,
+    lookup_ngram_size: int = LOOKUP_NGRAM_SIZE,
     compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
     if prefix_allowed_tokens_fn is not None or negative_prompt_ids is not None:
         raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
-    proposer = _make_proposer(model, assistant_model, num_draft_tokens)
+    proposer = _make_proposer(model, assistant_model, num_draft_tokens, lookup_ngram_size)
     _check_arguments(model, inputs, generation_config, streamer, kwargs)
     result = GenerationMixin.generate(
         model,

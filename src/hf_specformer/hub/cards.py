@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+LOOKUP_SUFFIX = "+lookup"
+"""Suffix of a benchmark mode that runs a drafter with prompt lookup on top (`hf-specformer bench --lookup`)."""
+
 CARD_TEMPLATE = """---
 library_name: transformers
 pipeline_tag: text-generation
@@ -50,7 +53,9 @@ out = target.generate(**inputs, assistant_model=draft, custom_generate="<this re
 print(out.speculation_stats.tokens_per_step)
 ```
 
-New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (k <= l_d). Outputs are those of
+New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (k <= l_d), `lookup_ngram_size`
+(prompt lookup on top of the drafter: where a row's last n tokens, n = 4 down to 2 by default, occurred earlier in
+the row, the tokens that followed them are the drafts; 0 turns it off). Outputs are those of
 `generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted position) when
 `return_dict_in_generate=True`. Not supported (clear errors): beam search, static/offloaded caches, output scores.
 
@@ -81,7 +86,8 @@ def _evaluation_section(eval_report: dict | None) -> tuple[str, list[str]]:
 def _benchmark_section(bench_report: dict | None, drafter_mode: str | None) -> tuple[str, list[str]]:
     if not bench_report:
         return "", []
-    rows = [r for r in bench_report["results"] if drafter_mode is None or r["mode"] == drafter_mode]
+    modes = None if drafter_mode is None else (drafter_mode, drafter_mode + LOOKUP_SUFFIX)
+    rows = [r for r in bench_report["results"] if modes is None or r["mode"] in modes]
     lines = [
         "## Measured speed (greedy, side by side with plain `generate`, same run)",
         "",
@@ -89,16 +95,22 @@ def _benchmark_section(bench_report: dict | None, drafter_mode: str | None) -> t
         f"{bench_report['machine']['threads']} threads; {bench_report['config']['max_new_tokens']} new tokens, "
         f"k = {bench_report['config']['num_draft_tokens']}, prompts: {Path(bench_report['prompt_source']).name}.",
         "",
-        "| batch | plain tok/s | speculative tok/s | speedup | decode-phase speedup | kappa | identical rows |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | prompt lookup | plain tok/s | speculative tok/s | speedup | decode-phase speedup | kappa | "
+        "identical rows |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['batch_size']} | {r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+        f"| {r['batch_size']} | {'yes' if r['mode'].endswith(LOOKUP_SUFFIX) else 'no'} | "
+        f"{r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
         f"{r['decode_speedup']:.2f}x | {r['tokens_per_step']:.2f} | "
         f"{r['num_batches'] * r['batch_size'] - r['mismatched_rows']}/{r['num_batches'] * r['batch_size']} |"
         for r in rows
     ]
-    metrics = [_metric(f"speedup_bs{r['batch_size']}", r["speedup"], "mt-bench") for r in rows]
+    metrics = [
+        _metric(f"speedup{'_lookup' if r['mode'].endswith(LOOKUP_SUFFIX) else ''}_bs{r['batch_size']}", r["speedup"],
+                "mt-bench")
+        for r in rows
+    ]
     return "\n".join(lines) + "\n", metrics
 
 
@@ -106,7 +118,8 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
                 name: str = "specformer-smollm2-135m-instruct", drafter_mode: str | None = None) -> str:
     """Markdown model card with YAML metadata (`base_model`, tags, a `model-index` of measured figures).
 
-    `drafter_mode` picks the benchmark rows to report (a mode name of the benchmark JSON); default: all.
+    `drafter_mode` picks the benchmark rows to report (a mode name of the benchmark JSON, reported with and without
+    prompt lookup); default: all.
     """
     config = drafter.config
     eval_report = json.loads(Path(eval_path).read_text()) if eval_path else None

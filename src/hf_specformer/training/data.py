@@ -64,6 +64,7 @@ def load_prompts(
     split: str = "train",
     limit: int | None = None,
     shuffle_seed: int | None = None,
+    interleave_field: str | None = None,
 ) -> list[str]:
     """Non-empty prompts from `source`: a local file or Hub dataset, several of them (concatenated in order), or
     None for the set shipped in this package.
@@ -71,17 +72,33 @@ def load_prompts(
     The prompt column is `prompt_field`, or the first of `prompt`, `instruction`, `question`, `text`, `turns`
     (whose first turn is taken), looked up in each source. With `shuffle_seed`, prompts are shuffled
     deterministically before `limit` keeps the first ones, so that a limited run still covers every part of a set
-    sorted by source.
+    sorted by source. With `interleave_field` (e.g. MT-bench's `category`), prompts are instead taken round-robin
+    over that column's values (file order within each value), so that every prefix mixes them alike; rows of a
+    source without the column form one group.
     """
     sources = [str(DEFAULT_PROMPTS_FILE)] if source is None else [source] if isinstance(source, str) else list(source)
-    prompts = []
+    prompts, groups = [], []
     for name in sources:
         rows = _load_rows(name, split)
         column = _prompt_column(rows.column_names, prompt_field)
-        prompts.extend(text for text in map(_as_text, rows[column]) if text)
+        labels = rows[interleave_field] if interleave_field in rows.column_names else [name] * len(rows)
+        kept = [(text, label) for text, label in zip(map(_as_text, rows[column]), labels) if text]
+        prompts.extend(text for text, _ in kept)
+        groups.extend(label for _, label in kept)
+    if interleave_field is not None:
+        prompts = _round_robin(prompts, groups)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(prompts)
     return prompts if limit is None else prompts[:limit]
+
+
+def _round_robin(items: list, groups: list) -> list:
+    """Items taken one per group in turn (groups in order of first appearance, items in order within a group)."""
+    by_group: dict = {}
+    for item, group in zip(items, groups):
+        by_group.setdefault(group, []).append(item)
+    queues = list(by_group.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:

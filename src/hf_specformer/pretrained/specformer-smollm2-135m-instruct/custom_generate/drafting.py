@@ -8,6 +8,8 @@ token. The engine turns them into draft tokens (argmax or sampling, after logits
   target's hooked hidden states of the forward's T inputs, appends them to its own context-attention cache, and runs
   the slot stage only at each row's last accepted input, whose slot j predicts the (j + 1)-th token after the
   correction/bonus token (which a drafter with `next_token_input` reads).
+- `PromptLookupProposer`: wraps another proposer; where a row's last few committed tokens occurred earlier in the
+  row (prompt or output), the tokens that followed them replace the wrapped proposer's drafts (prompt lookup).
 - `OracleProposer`: proposes a known continuation (the target's own greedy output), so every draft is accepted under
   greedy decoding; it measures the engine's ceiling apart from drafter quality.
 
@@ -102,6 +104,81 @@ class SpecFormerProposer(Proposer):
             next_token_ids=batch.next_tokens(source_index, position_ids.shape[1]),
         )
         return output.logits[:, 0]  # [B, k, V]
+
+
+LOOKUP_LOGIT_GAP = 1e4
+"""A looked-up draft gets logit 0 and every other token -LOOKUP_LOGIT_GAP: one-hot after softmax, finite so that a
+logits processor that masks the looked-up token leaves a valid (uniform) distribution rather than NaNs."""
+
+
+def lookup_drafts(
+    batch: RaggedBatch, num_draft_tokens: int, max_ngram_size: int, min_ngram_size: int = 2
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Prompt lookup decoding (Saxena, 2023): the last n committed tokens of each active row, n = max_ngram_size down
+    to min_ngram_size, are searched among the row's earlier tokens (prompt and output); the tokens that followed
+    their latest earlier occurrence are the drafts. Longer n-grams win.
+
+    Returns drafts `[B, k]` and found `[B, k]` (False for rows without a match and past the committed prefix).
+    """
+    prefix = batch.prefix_lengths()  # [B]
+    width = int(prefix.max())
+    tokens = batch.tokens[batch.row_ids, :width]  # [B, W]; beyond a row's prefix: scratch, never matched
+    continuation = torch.full_like(prefix, -1)  # [B] first column after the matched occurrence
+    for size in range(max_ngram_size, min_ngram_size - 1, -1):
+        if width <= size:
+            continue
+        pattern = tokens.gather(1, (prefix[:, None] - size + torch.arange(size, device=prefix.device)).clamp(min=0))
+        ends = torch.arange(size, width + 1, device=prefix.device)  # [W - n + 1] end of each window (exclusive)
+        hit = (tokens.unfold(1, size, 1) == pattern[:, None, :]).all(-1) & (ends[None, :] < prefix[:, None])
+        latest = torch.where(hit, ends[None, :], -1).amax(1)
+        continuation = torch.where(continuation < 0, latest, continuation)
+    columns = continuation[:, None] + torch.arange(num_draft_tokens, device=prefix.device)  # [B, k]
+    found = (continuation[:, None] >= 0) & (columns < prefix[:, None])
+    return tokens.gather(1, columns.clamp(0, width - 1)), found
+
+
+class PromptLookupProposer(Proposer):
+    """Another proposer's drafts, replaced by prompt lookup (`lookup_drafts`) wherever a match supplies them.
+
+    Looked-up drafts cost no forward, and text often repeats its prompt or itself (names, code, lists), where a
+    learned drafter's later slots rarely reach. Measured teacher-forced on SmolLM2's greedy MT-bench answers with
+    the shipped drafter (k = 4): kappa 1.47 alone, 1.77 with lookup for n = 4..2 (n = 6..3: 1.72; n = 3..1: 1.72).
+    A looked-up draft is one-hot (`LOOKUP_LOGIT_GAP`), so sampling stays lossless: it is accepted with the target's
+    probability of that token, and a rejection samples the target's distribution without it.
+    The wrapped proposer still runs every step (SpecFormer's context cache must see every committed position).
+
+    Args:
+        proposer: the proposer whose drafts are used where lookup finds nothing.
+        max_ngram_size: the longest n-gram matched (down to 2).
+    """
+
+    def __init__(self, proposer: Proposer, max_ngram_size: int = 4):
+        super().__init__(proposer.num_draft_tokens)
+        if max_ngram_size < 2:
+            raise ValueError(
+                f"max_ngram_size={max_ngram_size} must be at least 2 (lookup_ngram_size=0 turns lookup off)."
+            )
+        self.proposer = proposer
+        self.max_ngram_size = max_ngram_size
+        self.requires_hidden_states = proposer.requires_hidden_states
+
+    def start(self) -> None:
+        self.proposer.start()
+
+    def caches(self) -> list[Cache]:
+        return self.proposer.caches()
+
+    def modules(self) -> list[torch.nn.Module]:
+        return self.proposer.modules()
+
+    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
+        logits = self.proposer.propose(batch, hidden_states, position_ids, source_index)  # [B, k, V]
+        drafts, found = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
+        self.stats.looked_up += int(found.sum())
+        if not found.any():
+            return logits
+        one_hot = torch.full_like(logits, -LOOKUP_LOGIT_GAP).scatter_(2, drafts[..., None], 0.0)
+        return torch.where(found[..., None], one_hot, logits)
 
 
 class OracleProposer(Proposer):

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .attention import GroupedQueryAttention
 from .batch import RaggedBatch
 from .drafting import Proposer
 from .processing import RaggedLogitsProcessor
@@ -154,7 +155,8 @@ def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float
 
 def target_forward(model, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep):
     """One target forward of the loop: logits of the last `logits_to_keep` inputs (0: all), and the hidden states
-    with `output_hidden_states`. Run it inside `FewRowLinears` for the loop's speed on the CPU."""
+    with `output_hidden_states`. Run it inside `FewRowLinears` and `GroupedQueryAttention` for the loop's speed on
+    the CPU."""
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -193,7 +195,8 @@ def speculative_decode(
     """
     if proposer is None:
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
-    with FewRowLinears([model, *proposer.modules()], head=model.get_output_embeddings()):
+    linears = FewRowLinears([model, *proposer.modules()], head=model.get_output_embeddings())
+    with linears, GroupedQueryAttention(model):
         return _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
             speculative_streamer, compaction_hole_fraction, model_kwargs,

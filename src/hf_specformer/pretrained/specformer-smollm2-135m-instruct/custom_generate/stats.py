@@ -25,6 +25,7 @@ class SpecStats:
         accepted: drafts accepted.
         accepted_at: `[k]` how often drafted position j (0-based) was accepted.
         tokens_per_row_step: `[B0]` per original row, committed tokens per step (kappa of that row).
+        looked_up: drafts proposed by prompt lookup (`PromptLookupProposer`) rather than the drafter.
     """
 
     num_draft_tokens: int
@@ -33,6 +34,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)
+    looked_up: int = 0
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
 
@@ -91,4 +93,5 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
             "tokens_per_row_step": self.tokens_per_row_step,
+            "looked_up": self.looked_up,
         }
