@@ -57,6 +57,14 @@ def test_greedy_with_lookup_equals_generate(kind, batch_size, k, eos):
     assert stats.looked_up > 0 and stats.accepted < stats.drafted
 
 
+def test_a_lookup_proposer_is_not_wrapped_again():
+    target = make_target("llama")
+    input_ids, mask = make_batch(2, seed=5)
+    proposer = PromptLookupProposer(SpecFormerProposer(make_drafter(target), 3), max_ngram_size=3)
+    output = assert_same_as_generate(target, proposer, input_ids, mask, max_new_tokens=20, pad_token_id=PAD)
+    assert output.speculation_stats is proposer.stats and proposer.stats.looked_up > 0
+
+
 def test_lookup_raises_acceptance_on_repetitive_text_and_can_be_turned_off():
     """A target that loops: with lookup, drafts past the first loop are accepted; without, none are looked up."""
     target = make_target("llama")

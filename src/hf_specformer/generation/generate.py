@@ -36,9 +36,11 @@ LOOKUP_NGRAM_SIZE = 4
 
 def _make_proposer(model, assistant_model, num_draft_tokens: int | None, lookup_ngram_size: int) -> Proposer:
     """The proposer behind `assistant_model`, bound to `model` and checked against it, with prompt lookup on top
-    when `lookup_ngram_size` > 0."""
+    when `lookup_ngram_size` > 0 (unless it is a `PromptLookupProposer` already)."""
     proposer = _assistant_proposer(model, assistant_model, num_draft_tokens)
-    return PromptLookupProposer(proposer, lookup_ngram_size) if lookup_ngram_size else proposer
+    if not lookup_ngram_size or isinstance(proposer, PromptLookupProposer):
+        return proposer
+    return PromptLookupProposer(proposer, lookup_ngram_size)
 
 
 def _assistant_proposer(model, assistant_model, num_draft_tokens: int | None) -> Proposer:
