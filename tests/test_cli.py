@@ -82,6 +82,18 @@ def test_export_sets_a_draft_vocabulary_from_distilled_data(tmp_path):
         cli.main(export + ["--draft-vocab-size", "2"])
 
 
+def test_export_sets_the_default_number_of_drafts(tmp_path):
+    from transformers import AutoModel
+
+    make_drafter(make_target("llama"), draft_length=4).save_pretrained(tmp_path / "trained")
+    export = ["export", "--drafter", str(tmp_path / "trained"), "--output", str(tmp_path / "hub")]
+    cli.main(export + ["--num-speculative-tokens", "3"])
+    assert AutoModel.from_pretrained(tmp_path / "hub", trust_remote_code=True).config.num_speculative_tokens == 3
+    assert "default k = 3" in (tmp_path / "hub" / "README.md").read_text()
+    with pytest.raises(SystemExit):
+        cli.main(export + ["--num-speculative-tokens", "5"])
+
+
 def test_shipped_drafter_folder_carries_the_current_code():
     """The shipped Hub folder's remote code is the package's own (re-export it after changing either)."""
     from pathlib import Path

@@ -3,7 +3,7 @@
 Prompts are taken round-robin over the file's categories (MT-bench's file is sorted by category: its first 32 prompts
 hold only 4 of its 8 categories), `num_prompts` of them; for each batch size B, the first max(B, min_rows) are cut
 into batches of B (so B = 1 with 8 rows sees one prompt of each category); every batch is generated with plain greedy
-`target.generate` and then with each proposer, and the outputs are compared row by row. Reported per B and mode:
+`target.generate` and then with each proposer (interleaved batch by batch), and the outputs are compared row by row. Reported per B and mode:
 plain and speculative tokens/s (new tokens up to and including EOS, identical for both since outputs match),
 speedup, kappa (tokens per row per target forward), acceptance per drafted position, and the cost-model limit
 (k + 1) * t(B, 1) / t(B, k + 1) from timing one target forward of 1 and of k + 1 new tokens per row at that batch
@@ -36,6 +36,7 @@ from .generation.attention import GroupedQueryAttention
 from .generation.engine import target_forward
 from .generation.generate import LOOKUP_NGRAM_SIZE
 from .generation.products import FewRowLinears
+from .generation.scheduling import CONFIDENCE_THRESHOLD
 from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, load_target, load_tokenizer
@@ -60,6 +61,7 @@ class BenchConfig:
     threads: int = 2
     limit_repeats: int = 15
     compaction_hole_fraction: float = 0.5
+    confidence_threshold: float = CONFIDENCE_THRESHOLD
     few_row_plain: bool = False
     output: str = "bench/results"
 
@@ -147,64 +149,81 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-def few_row_plain_seconds(target, batches: list[dict], gen_kwargs: dict) -> float:
-    """Plain `generate` again with the engine's few-row CPU products switched on for the target too: a second
-    baseline, which tells how much of a speedup is speculation rather than the products (at B = 1 they change
-    nothing; with 2..32 rows per forward they speed up plain decoding as well)."""
-    with FewRowLinears([target], head=target.get_output_embeddings()):
-        return sum(_timed(lambda: target.generate(**batch, **gen_kwargs))[1] for batch in batches)
+@dataclass
+class _ModeTally:
+    """One mode's sums over the batches of a batch size."""
+
+    seconds: float = 0.0
+    mismatched_rows: int = 0
+    kappas: list[float] = field(default_factory=list)
+    drafts_per_step: list[float] = field(default_factory=list)
+    per_position: list[list[float]] = field(default_factory=list)
+
+    def add(self, output, seconds: float, reference: torch.LongTensor) -> None:
+        self.seconds += seconds
+        same_shape = output.sequences.shape == reference.shape
+        self.mismatched_rows += int((output.sequences != reference).any(1).sum()) if same_shape else len(reference)
+        self.kappas.append(output.speculation_stats.tokens_per_step)
+        self.drafts_per_step.append(output.speculation_stats.drafts_per_step)
+        self.per_position.append(output.speculation_stats.acceptance_by_position)
+
+
+def _speculative_run(target, tokenizer, batch, reference, mode: str, config: BenchConfig, drafters: dict, gen_kwargs):
+    """One mode on one batch -> (output, seconds)."""
+    proposer_mode, lookup_ngram_size = split_mode(mode)
+    assistant = drafters.get(proposer_mode) or make_assistant(
+        proposer_mode, target, reference[:, batch["input_ids"].shape[1]:], config.num_draft_tokens,
+        tokenizer.pad_token_id,
+    )
+    return _timed(lambda: generate(
+        target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
+        lookup_ngram_size=lookup_ngram_size, compaction_hole_fraction=config.compaction_hole_fraction,
+        confidence_threshold=config.confidence_threshold, return_dict_in_generate=True, **gen_kwargs,
+    ))
 
 
 def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchConfig, drafters: dict) -> list[dict]:
-    """All modes at one batch size (over `max(batch_size, min_rows)` prompts); one row of results per mode."""
+    """All modes at one batch size (over `max(batch_size, min_rows)` prompts); one row of results per mode.
+
+    Runs are interleaved batch by batch (plain, then every mode, then the next batch), so a slow phase of a shared
+    machine hits the baseline and each mode alike rather than whichever ran during it."""
     batches = chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)
-    eos = tokenizer.eos_token_id
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
-    plain_time, prefill_time, tokens, references = 0.0, 0.0, 0, []
-    for batch in batches:
+    plain, prefill, few_row_plain, tokens, references = 0.0, 0.0, 0.0, 0, []
+    tallies = {mode: _ModeTally() for mode in config.modes}
+    for batch in tqdm(batches, desc=f"B={batch_size}", leave=False):
         reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs))
-        plain_time += seconds
-        prefill_time += prefill_seconds(target, batch)
-        tokens += count_new_tokens(reference, batch["input_ids"].shape[1], eos)
+        plain += seconds
+        prefill += prefill_seconds(target, batch)
+        tokens += count_new_tokens(reference, batch["input_ids"].shape[1], tokenizer.eos_token_id)
         references.append(reference)
-    few_row_plain = few_row_plain_seconds(target, batches, gen_kwargs) if config.few_row_plain else None
+        if config.few_row_plain:
+            with FewRowLinears([target], head=target.get_output_embeddings()):
+                few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs))[1]
+        for mode, tally in tallies.items():
+            tally.add(*_speculative_run(target, tokenizer, batch, reference, mode, config, drafters, gen_kwargs),
+                      reference)
     width = batches[0]["input_ids"].shape[1]
     context = references[0][:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
     context_mask = torch.cat([batches[0]["attention_mask"], torch.ones_like(context[:, width:])], 1)
     limit = forward_cost_limit(target, context, context_mask, config.num_draft_tokens, config.limit_repeats)
     rows = []
-    for mode in config.modes:
-        spec_time, mismatched, kappas, per_position = 0.0, 0, [], []
-        proposer_mode, lookup_ngram_size = split_mode(mode)
-        for batch, reference in zip(batches, references):
-            width = batch["input_ids"].shape[1]
-            assistant = drafters.get(proposer_mode) or make_assistant(
-                proposer_mode, target, reference[:, width:], config.num_draft_tokens, tokenizer.pad_token_id
-            )
-            output, seconds = _timed(lambda: generate(
-                target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
-                lookup_ngram_size=lookup_ngram_size, compaction_hole_fraction=config.compaction_hole_fraction,
-                return_dict_in_generate=True, **gen_kwargs,
-            ))
-            spec_time += seconds
-            same_shape = output.sequences.shape == reference.shape
-            mismatched += int((output.sequences != reference).any(1).sum()) if same_shape else len(reference)
-            kappas.append(output.speculation_stats.tokens_per_step)
-            per_position.append(output.speculation_stats.acceptance_by_position)
-        decode_speedup = (plain_time - prefill_time) / (spec_time - prefill_time)
+    for mode, tally in tallies.items():
+        decode_speedup = (plain - prefill) / (tally.seconds - prefill)
         rows.append({
             "mode": mode, "batch_size": batch_size, "num_batches": len(batches), "new_tokens": tokens,
-            "plain_seconds": plain_time, "spec_seconds": spec_time, "prefill_seconds": prefill_time,
-            "plain_tokens_per_s": tokens / plain_time, "spec_tokens_per_s": tokens / spec_time,
-            "speedup": plain_time / spec_time, "decode_speedup": decode_speedup, **limit,
+            "plain_seconds": plain, "spec_seconds": tally.seconds, "prefill_seconds": prefill,
+            "plain_tokens_per_s": tokens / plain, "spec_tokens_per_s": tokens / tally.seconds,
+            "speedup": plain / tally.seconds, "decode_speedup": decode_speedup, **limit,
             "efficiency": decode_speedup / limit["limit"],
-            "tokens_per_step": statistics.mean(kappas),
-            "acceptance_by_position": [statistics.mean(col) for col in zip(*per_position)],
-            "mismatched_rows": mismatched,
+            "tokens_per_step": statistics.mean(tally.kappas),
+            "drafts_per_step": statistics.mean(tally.drafts_per_step),
+            "acceptance_by_position": [statistics.mean(col) for col in zip(*tally.per_position)],
+            "mismatched_rows": tally.mismatched_rows,
         })
-        if few_row_plain is not None:
-            rows[-1].update(few_row_plain_seconds=few_row_plain, speedup_over_few_row_plain=few_row_plain / spec_time)
+        if config.few_row_plain:
+            rows[-1].update(few_row_plain_seconds=few_row_plain, speedup_over_few_row_plain=few_row_plain / tally.seconds)
     return rows
 
 
@@ -281,6 +300,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compaction-hole-fraction", type=float, default=0.5,
                         help="compact caches at this hole share (above 1: never), to measure compaction")
+    parser.add_argument("--confidence-threshold", type=float, default=CONFIDENCE_THRESHOLD,
+                        help="rows verify drafts while their cumulative probability is at least this (0: all k)")
     parser.add_argument("--few-row-plain", action="store_true",
                         help="also time plain generate with the engine's few-row CPU products (a second baseline)")
     parser.add_argument("--output", default="bench/results", help="path stem of the JSON and PNG")
@@ -297,7 +318,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         target=args.target, modes=modes, batch_sizes=args.batch_sizes, num_draft_tokens=args.num_draft_tokens,
         max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, min_rows=args.min_rows, prompts=args.prompts,
         threads=args.threads, output=args.output, compaction_hole_fraction=args.compaction_hole_fraction,
-        few_row_plain=args.few_row_plain,
+        few_row_plain=args.few_row_plain, confidence_threshold=args.confidence_threshold,
     )
 
 

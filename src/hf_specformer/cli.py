@@ -30,6 +30,8 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=None,
                         help="draft only the N most frequent reply tokens of --draft-vocab-data (0: whole vocabulary)")
     parser.add_argument("--draft-vocab-data", default=None, help="distilled data the draft vocabulary is counted on")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="the default k that generate uses with this drafter (1..draft_length; default: kept)")
     args = parser.parse_args(argv)
     if args.draft_vocab_size and args.draft_vocab_data is None:
         parser.error("--draft-vocab-size N > 0 needs --draft-vocab-data")
@@ -44,6 +46,10 @@ def _export(argv: list[str]) -> None:
         vocabulary = reply_vocabulary(load_distilled(args.draft_vocab_data), args.draft_vocab_size) \
             if args.draft_vocab_size else None
         drafter.set_draft_vocab(vocabulary)
+    if args.num_speculative_tokens is not None:
+        if not 1 <= args.num_speculative_tokens <= drafter.config.draft_length:
+            parser.error(f"--num-speculative-tokens must be between 1 and draft_length={drafter.config.draft_length}")
+        drafter.config.num_speculative_tokens = args.num_speculative_tokens
     card = render_card(drafter, eval_path=args.eval, bench_path=args.bench, drafter_mode=args.bench_mode)
     print(export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype)))
 

@@ -18,6 +18,7 @@ from transformers import AutoModel
 
 from .generation import generate
 from .generation.generate import LOOKUP_NGRAM_SIZE
+from .generation.scheduling import CONFIDENCE_THRESHOLD
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, load_target, load_tokenizer
 from .training.data import chat_prompt_ids, load_prompts
@@ -67,7 +68,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(f"drafter: {drafter.num_parameters() / 1e6:.2f}M parameters (excluding the target's shared lm_head), "
           f"l_d={drafter.config.draft_length}, hooks={drafter.config.hook_layers}")
     prompts = load_prompts(args.prompts)[: args.batch_size]
-    show_drafts(target, drafter, tokenizer, prompts[0], args.num_draft_tokens)
+    k = args.num_draft_tokens or drafter.config.num_speculative_tokens
+    show_drafts(target, drafter, tokenizer, prompts[0], k)
 
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=False) for p in prompts]
@@ -76,14 +78,14 @@ def run_demo(args: argparse.Namespace) -> dict:
     target.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up
     plain, plain_seconds = timed_generate(lambda: target.generate(**inputs, **kwargs))
     spec, spec_seconds = timed_generate(lambda: generate(
-        target, **inputs, assistant_model=drafter, num_draft_tokens=args.num_draft_tokens,
-        lookup_ngram_size=args.lookup_ngram_size, return_dict_in_generate=True, **kwargs,
+        target, **inputs, assistant_model=drafter, num_draft_tokens=k, lookup_ngram_size=args.lookup_ngram_size,
+        confidence_threshold=args.confidence_threshold, return_dict_in_generate=True, **kwargs,
     ))
     identical = torch.equal(plain, spec.sequences)
     stats = spec.speculation_stats
     width = inputs["input_ids"].shape[1]
     lookup = f"prompt lookup up to {args.lookup_ngram_size}-grams" if args.lookup_ngram_size else "no prompt lookup"
-    print(f"\nbatch of {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, k={args.num_draft_tokens}, "
+    print(f"\nbatch of {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, k={k}, "
           f"{lookup}")
     print(f"plain generate:       {plain_seconds:6.2f} s")
     print(f"speculative generate: {spec_seconds:6.2f} s   speedup {plain_seconds / spec_seconds:.2f}x")
@@ -103,9 +105,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--prompts", default=None, help="prompt file (default: the built-in prompts)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=None, help="default: the drafter's own")
     parser.add_argument("--lookup-ngram-size", type=int, default=LOOKUP_NGRAM_SIZE,
                         help="prompt lookup on top of the drafter: longest n-gram matched (0: drafter only)")
+    parser.add_argument("--confidence-threshold", type=float, default=CONFIDENCE_THRESHOLD,
+                        help="verify a row's drafts while their cumulative probability is at least this (0: all k)")
     parser.add_argument("--threads", type=int, default=2)
     return parser
 

@@ -31,13 +31,30 @@ def noisy_oracle(reference_new_tokens: torch.LongTensor, k: int, vocab: int, cor
     return OracleProposer(torch.where(noise, random_tokens, reference_new_tokens), k, vocab, PAD)
 
 
+class SoftOracle(OracleProposer):
+    """A noisy oracle whose draft logits are a random margin (0..8) on the draft token rather than one-hot, so the
+    drafts' probabilities, and with a confidence threshold the number of drafts each row verifies, vary by row
+    and step."""
+
+    def __init__(self, reference_new_tokens: torch.LongTensor, k: int, vocab: int, corrupt: float, seed: int = 0):
+        noisy = noisy_oracle(reference_new_tokens, k, vocab, corrupt, seed)
+        super().__init__(noisy.continuations[:, :-(k + 1)], k, vocab, PAD)
+        self.generator = torch.Generator().manual_seed(seed + 1)
+
+    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
+        one_hot = super().propose(batch, hidden_states, position_ids, source_index)
+        margin = torch.rand(one_hot.shape[:2], generator=self.generator, dtype=one_hot.dtype) * 8
+        return torch.where(one_hot.isinf(), 0.0, margin[..., None])
+
+
 def assert_same_as_generate(
     target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
-    lookup_ngram_size=None, **kwargs
+    lookup_ngram_size=None, confidence_threshold=None, **kwargs
 ):
     """Speculative output equals `target.generate` token for token; returns the speculative output.
-    `lookup_ngram_size=None` keeps `generate`'s default (prompt lookup on)."""
-    kwargs_spec = {} if lookup_ngram_size is None else {"lookup_ngram_size": lookup_ngram_size}
+    `lookup_ngram_size=None` and `confidence_threshold=None` keep `generate`'s defaults."""
+    speculative_only = {"lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold}
+    kwargs_spec = {name: value for name, value in speculative_only.items() if value is not None}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
     output = generate(
         target, input_ids=input_ids, attention_mask=attention_mask, assistant_model=assistant, do_sample=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_VOCAB, make_drafter, make_target
-from helpers import PAD, assert_same_as_generate, make_batch, noisy_oracle
+from helpers import PAD, SoftOracle, assert_same_as_generate, make_batch, noisy_oracle
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -201,6 +201,28 @@ def test_compaction_policy_does_not_change_outputs(hole_fraction):
     assert_same_as_generate(
         target, oracle, input_ids, mask, max_new_tokens=30, pad_token_id=PAD, compaction_hole_fraction=hole_fraction
     )
+
+
+@pytest.mark.parametrize(
+    "kind, batch_size, k, eos_mode, threshold",
+    [("llama", 1, 4, None, 0.3), ("qwen3", 6, 4, "mid", 0.3), ("llama", 16, 8, "several", 0.6),
+     ("qwen3", 32, 3, "mid", 0.9)],
+)
+def test_confidence_threshold_verifies_fewer_drafts_with_the_same_output(kind, batch_size, k, eos_mode, threshold):
+    """Rows verify different numbers of drafts per step (their cumulative draft probability against the threshold),
+    and the step is as wide as its longest row; the output is still plain `generate`'s."""
+    target = make_target(kind)
+    input_ids, mask = make_batch(batch_size, seed=40 + batch_size)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    eos = _eos_ids(reference[:, input_ids.shape[1]:], eos_mode)
+    oracle = SoftOracle(reference[:, input_ids.shape[1]:], k, TINY_VOCAB, corrupt=0.2, seed=batch_size)
+    output = assert_same_as_generate(
+        target, oracle, input_ids, mask, lookup_ngram_size=0, confidence_threshold=threshold, max_new_tokens=30,
+        pad_token_id=PAD, **({} if eos is None else {"eos_token_id": eos}),
+    )
+    stats = output.speculation_stats
+    assert 1 < stats.drafts_per_step < k, stats.drafts_per_step
+    assert stats.accepted > 0
 
 
 def tiny_gemma2() -> torch.nn.Module:

@@ -58,17 +58,21 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "sampling, draft_vocab, prompt, seed",
-    [({"temperature": 1.0}, None, [3, 7, 1, 5], 1234), ({"temperature": 0.8, "top_k": 5}, None, [3, 7, 1, 5], 1234),
-     ({"temperature": 1.0, "top_p": 0.8}, None, [3, 7, 1, 5], 1234),
-     ({"temperature": 1.0}, [0, 2, 3, 5, 8, 11], [3, 7, 1, 5], 7),
-     ({"temperature": 1.0}, None, LOOKUP_PROMPT, 99), ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 5)],
-    ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup"],
+    "sampling, draft_vocab, prompt, seed, threshold",
+    [({"temperature": 1.0}, None, [3, 7, 1, 5], 1234, 0.0),
+     ({"temperature": 0.8, "top_k": 5}, None, [3, 7, 1, 5], 1234, 0.0),
+     ({"temperature": 1.0, "top_p": 0.8}, None, [3, 7, 1, 5], 1234, 0.0),
+     ({"temperature": 1.0}, [0, 2, 3, 5, 8, 11], [3, 7, 1, 5], 7, 0.0),
+     ({"temperature": 1.0}, None, LOOKUP_PROMPT, 99, 0.0), ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 5, 0.0),
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 31, 0.2)],
+    ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup",
+         "t1.0-threshold"],
 )
-def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed):
+def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, threshold):
     """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest.
     `lookup`: the prompt holds "5 x" for every token x and ends with 5, so whatever token comes first, prompt
-    lookup proposes one-hot drafts after it (checked)."""
+    lookup proposes one-hot drafts after it (checked). `threshold`: rows verify 1 to 3 of their drafts, by the
+    drafts' cumulative probability (checked), so the token after a row's last verified draft is a bonus sample."""
     target = sharp_target()
     drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
     prompt = torch.tensor(prompt)
@@ -81,7 +85,7 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
         out = generate(
             target, input_ids=prompt[None].repeat(5000, 1), attention_mask=torch.ones(5000, len(prompt)),
-            assistant_model=drafter, num_draft_tokens=3,
+            assistant_model=drafter, num_draft_tokens=3, confidence_threshold=threshold,
             generation_config=config,
         )
         rows.append(out[:, len(prompt):])
@@ -90,6 +94,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     counts = torch.bincount(codes, minlength=VOCAB**NEW_TOKENS).double()
     stats = drafter.speculation_stats
     assert 0 < stats.accepted < stats.drafted, "the test needs both acceptances and rejections"
+    if threshold > 0:
+        assert 1.2 < stats.drafts_per_step < 2.8, stats.drafts_per_step
     if prompt.tolist() == LOOKUP_PROMPT:
         assert stats.looked_up >= 5000, "every row's first drafts (of the last call's 5000) must come from lookup"
 

@@ -64,3 +64,26 @@ def test_sampling_first_token_follows_target_distribution():
     empirical = torch.bincount(tokens[:, 0], minlength=V).float() / n
     assert 0.5 * (empirical - p1).abs().sum() < 0.01  # sampling noise is ~0.003 at this n
     assert 0.5 * (empirical - q1).abs().sum() > 0.1  # and the check can tell p from q
+
+
+def test_greedy_stops_at_each_rows_verified_drafts():
+    """Row 0 verifies 1 of 3 matching drafts: the target's own token follows it. Row 1 verifies 2 but rejects the
+    first. Row 2 verifies all 3."""
+    drafts = torch.tensor([[1, 2, 3], [5, 2, 3], [1, 2, 3]])
+    tokens, accepted = verify_greedy(drafts, one_hot_scores([[1, 2, 3, 4]] * 3), torch.tensor([1, 2, 3]))
+    assert accepted.tolist() == [1, 0, 3]
+    assert tokens.tolist() == [[1, 2, EMPTY_SLOT, EMPTY_SLOT], [1, EMPTY_SLOT, EMPTY_SLOT, EMPTY_SLOT], [1, 2, 3, 4]]
+
+
+def test_sampling_token_after_the_verified_drafts_follows_target():
+    """Drafts drawn from q = p would all be accepted; with one verified draft, the next token is a sample of p at
+    that position (the bonus distribution), not of the residual p - q (which is zero)."""
+    generator = torch.Generator().manual_seed(1)
+    n = 100_000
+    p_row = torch.softmax(torch.randn(3, V, generator=generator) * 2, -1)
+    p = p_row[None].expand(n, -1, -1)
+    drafts = torch.stack([torch.multinomial(p_row[j], n, replacement=True, generator=generator) for j in range(2)], 1)
+    tokens, accepted = verify_sampling(drafts, p[:, :2], p, torch.ones(n, dtype=torch.long), generator=generator)
+    assert accepted.eq(1).all() and tokens[:, 2].eq(EMPTY_SLOT).all()
+    empirical = torch.bincount(tokens[:, 1], minlength=V).float() / n
+    assert 0.5 * (empirical - p_row[1]).abs().sum() < 0.01

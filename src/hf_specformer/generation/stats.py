@@ -21,7 +21,7 @@ class SpecStats:
         num_draft_tokens: k, drafts proposed per row and step.
         steps: verification forwards of the target.
         row_steps: sum over steps of the active rows.
-        drafted: drafts verified (k per row-step).
+        drafted: drafts verified (1..k per row-step, see `scheduling.py`).
         accepted: drafts accepted.
         accepted_at: `[k]` how often drafted position j (0-based) was accepted.
         tokens_per_row_step: `[B0]` per original row, committed tokens per step (kappa of that row).
@@ -41,8 +41,12 @@ class SpecStats:
     def __post_init__(self):
         self.accepted_at = [0] * self.num_draft_tokens
 
-    def record(self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int) -> None:
-        """One verification step: `num_accepted[b]` of the k drafts of active row `row_ids[b]` were accepted."""
+    def record(
+        self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int,
+        num_drafts: torch.LongTensor | int,
+    ) -> None:
+        """One verification step: active row `row_ids[b]` verified `num_drafts[b]` drafts (or `num_drafts` each) and
+        accepted `num_accepted[b]` of them."""
         if self._row_steps is None:
             self._row_steps = torch.zeros(batch_size, dtype=torch.long)
             self._row_accepted = torch.zeros(batch_size, dtype=torch.long)
@@ -50,7 +54,7 @@ class SpecStats:
         rows = row_ids.cpu()
         self.steps += 1
         self.row_steps += rows.numel()
-        self.drafted += rows.numel() * self.num_draft_tokens
+        self.drafted += int(num_drafts.sum()) if isinstance(num_drafts, torch.Tensor) else rows.numel() * num_drafts
         self.accepted += int(num_accepted.sum())
         counts = torch.bincount(num_accepted, minlength=self.num_draft_tokens + 1)
         at_least = counts.flip(0).cumsum(0).flip(0)  # at_least[j] = rows that accepted >= j drafts
@@ -68,6 +72,11 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         """Accepted drafts / drafted tokens."""
         return self.accepted / max(self.drafted, 1)
+
+    @property
+    def drafts_per_step(self) -> float:
+        """Drafts verified per row-step (k without a confidence threshold)."""
+        return self.drafted / max(self.row_steps, 1)
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -91,6 +100,7 @@ class SpecStats:
             "accepted": self.accepted,
             "tokens_per_step": self.tokens_per_step,
             "acceptance_rate": self.acceptance_rate,
+            "drafts_per_step": self.drafts_per_step,
             "acceptance_by_position": self.acceptance_by_position,
             "tokens_per_row_step": self.tokens_per_row_step,
             "looked_up": self.looked_up,

@@ -55,8 +55,9 @@ print(out.speculation_stats.tokens_per_step)
 
 New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (k <= l_d), `lookup_ngram_size`
 (prompt lookup on top of the drafter: where a row's last n tokens, n = 4 down to 2 by default, occurred earlier in
-the row, the tokens that followed them are the drafts; 0 turns it off). Outputs are those of
-`generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted position) when
+the row, the tokens that followed them are the drafts; 0 turns it off), `confidence_threshold` (a row verifies
+its drafts only while their cumulative draft probability is at least this; 0, the default, verifies all k).
+Outputs are those of `generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted position) when
 `return_dict_in_generate=True`. Not supported (clear errors): beam search, static/offloaded caches, output scores.
 
 {evaluation}
@@ -93,7 +94,8 @@ def _benchmark_section(bench_report: dict | None, drafter_mode: str | None) -> t
         "",
         f"Machine: {bench_report['machine']['platform']}, torch {bench_report['machine']['torch']}, "
         f"{bench_report['machine']['threads']} threads; {bench_report['config']['max_new_tokens']} new tokens, "
-        f"k = {bench_report['config']['num_draft_tokens']}, prompts: {Path(bench_report['prompt_source']).name}.",
+        f"k = {bench_report['config']['num_draft_tokens']}, confidence threshold "
+        f"{bench_report['config'].get('confidence_threshold', 0.0)}, prompts: {Path(bench_report['prompt_source']).name}.",
         "",
         "| batch | prompt lookup | plain tok/s | speculative tok/s | speedup | decode-phase speedup | kappa | "
         "identical rows |",

@@ -1,9 +1,10 @@
 """The speculative decoding loop: prefill, then per step feed, verify, commit, draft, retire rows.
 
-Fused as in the SpecFormer paper: each step feeds every active row's last committed token plus its k drafts through
-the target in one forward ([B, k + 1] inputs); the same forward's hidden states feed the proposer, which drafts the
-next k tokens from each row's last accepted position. No acceptance math here (`verification.py`), no ragged
-bookkeeping (`batch.py`), no drafting (`drafting.py`).
+Fused as in the SpecFormer paper: each step feeds every active row's last committed token plus its drafts through
+the target in one forward ([B, n + 1] inputs, n <= k: as many drafts as the most confident row verifies,
+`scheduling.py`); the same forward's hidden states feed the proposer, which drafts the next k tokens from each row's
+last accepted position. No acceptance math here (`verification.py`), no ragged bookkeeping (`batch.py`), no drafting
+(`drafting.py`).
 
 `speculative_decode` has the signature of a `generate` decoding method, so `GenerationMixin.generate` prepares
 inputs, the cache, logits processors and stopping criteria exactly as for plain decoding and then calls it
@@ -25,8 +26,9 @@ from .batch import RaggedBatch
 from .drafting import Proposer
 from .processing import RaggedLogitsProcessor
 from .products import FewRowLinears
+from .scheduling import CONFIDENCE_THRESHOLD, num_drafts_to_verify
 from .stats import SpecStats
-from .verification import verify_greedy, verify_sampling
+from .verification import EMPTY_SLOT, verify_greedy, verify_sampling
 
 COMPACTION_HOLE_FRACTION = 0.5
 """Default share of cache columns that are holes (rejected drafts, padding) at which the caches are compacted."""
@@ -101,23 +103,31 @@ def _select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
 
 
 def _draft(batch: RaggedBatch, processor: RaggedLogitsProcessor, draft_logits: torch.Tensor, do_sample: bool):
-    """Draft logits `[B, k, V]` -> draft ids `[B, k]` (written as scratch after each row's prefix) and, when
-    sampling, q `[B, k, V]`. Slot j is processed with the prefix committed + drafts 1..j, one slot at a time when a
+    """Draft logits `[B, k, V]` -> draft ids `[B, k]` (written as scratch after each row's prefix) and their processed
+    scores `[B, k, V]`. Slot j is processed with the prefix committed + drafts 1..j, one slot at a time when a
     processor reads the prefix."""
     num_slots = draft_logits.shape[1]
     if not processor.reads_prefix:
         scores = processor(batch, draft_logits)  # [B, k, V]
         draft_ids = _select_tokens(scores.flatten(0, 1), do_sample).view(batch.size, num_slots)
         batch.write(draft_ids)
-        return draft_ids, scores.softmax(-1) if do_sample else None
+        return draft_ids, scores
     draft_ids, all_scores = [], []
     for j in range(num_slots):
         scores = processor(batch, draft_logits[:, j : j + 1], offset=j)[:, 0]
         draft_ids.append(_select_tokens(scores, do_sample))
         batch.write(draft_ids[-1][:, None], offset=j)
         all_scores.append(scores)
-    draft_ids = torch.stack(draft_ids, dim=1)
-    return draft_ids, torch.stack(all_scores, dim=1).softmax(-1) if do_sample else None
+    return torch.stack(draft_ids, dim=1), torch.stack(all_scores, dim=1)
+
+
+def _schedule(draft_ids: torch.LongTensor, draft_scores: torch.Tensor, do_sample: bool, threshold: float):
+    """-> draft probabilities q `[B, k, V]` (when sampling) and the drafts each row verifies `[B]` (None: all k)."""
+    draft_probs = draft_scores.softmax(-1) if do_sample or threshold > 0 else None
+    if threshold <= 0:
+        return draft_probs, None
+    confidence = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)  # [B, k]
+    return (draft_probs if do_sample else None), num_drafts_to_verify(confidence, threshold)
 
 
 def _gather_cache_columns(cache: Cache, index: torch.LongTensor) -> None:
@@ -177,6 +187,7 @@ def speculative_decode(
     proposer: Proposer | None = None,
     speculative_streamer=None,
     compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
+    confidence_threshold: float = CONFIDENCE_THRESHOLD,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -188,6 +199,8 @@ def speculative_decode(
         proposer: where drafts come from (`SpecFormerProposer`, `OracleProposer`, ...).
         speculative_streamer: a streamer (batch size 1 only); the prompt is put first.
         compaction_hole_fraction: compact the caches when holes reach this share of their columns (> 1: never).
+        confidence_threshold: a row verifies its drafts while their cumulative probability is at least this
+            (`scheduling.py`; 0: all k).
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
@@ -199,13 +212,13 @@ def speculative_decode(
     with linears, GroupedQueryAttention(model):
         return _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-            speculative_streamer, compaction_hole_fraction, model_kwargs,
+            speculative_streamer, compaction_hole_fraction, confidence_threshold, model_kwargs,
         )
 
 
 def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-    compaction_hole_fraction, model_kwargs,
+    compaction_hole_fraction, confidence_threshold, model_kwargs,
 ):
     """The body of `speculative_decode`: prefill, then verification steps until every row has finished."""
     cache = model_kwargs.get("past_key_values")
@@ -238,20 +251,26 @@ def _decode(
     draft_logits = _retire_rows(batch, caches, finished, draft_logits)
 
     while batch.size > 0:
-        draft_ids, draft_probs = _draft(batch, processor, draft_logits, do_sample)
+        draft_ids, draft_scores = _draft(batch, processor, draft_logits, do_sample)
+        draft_probs, num_drafts = _schedule(draft_ids, draft_scores, do_sample, confidence_threshold)
+        width = k if num_drafts is None else int(num_drafts.max())  # drafts fed per row this step
+        draft_ids = draft_ids[:, :width]
         last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
-        step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, k + 1]
-        attention_mask, position_ids = batch.step_inputs(k + 1)
+        step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
+        attention_mask, position_ids = batch.step_inputs(width + 1)
         output = target_forward(
             model, step_ids, attention_mask, position_ids, cache, proposer.requires_hidden_states, logits_to_keep=0
         )
-        target_scores = processor(batch, output.logits)  # [B, k + 1, V]; drafts already in the scratch space
+        target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
         if do_sample:
-            tokens, num_accepted = verify_sampling(draft_ids, draft_probs, target_scores.softmax(-1))
+            tokens, num_accepted = verify_sampling(
+                draft_ids, draft_probs[:, :width], target_scores.softmax(-1), num_drafts
+            )
         else:
-            tokens, num_accepted = verify_greedy(draft_ids, target_scores)
-        stats.record(batch.row_ids, num_accepted, input_ids.shape[0])
-        batch.commit_cache(num_accepted + 1, k + 1)
+            tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts)
+        stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts if num_drafts is not None else width)
+        batch.commit_cache(num_accepted + 1, width + 1)
+        tokens = torch.nn.functional.pad(tokens, (0, k - width), value=EMPTY_SLOT)  # also clears unfed drafts' scratch
         finished = commit(batch, tokens, num_accepted + 1)
         draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted)
         draft_logits = _retire_rows(batch, caches, finished, draft_logits)

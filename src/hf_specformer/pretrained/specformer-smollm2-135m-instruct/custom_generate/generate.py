@@ -13,6 +13,8 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         down to 2) occurred earlier in the row, the tokens that followed them are the drafts. 0 turns it off.
     compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the
         columns (default 0.5; above 1 never).
+    confidence_threshold: a row verifies its drafts while their cumulative draft probability is at least this
+        (default `CONFIDENCE_THRESHOLD`; looked-up drafts count as certain; 0 verifies all k). See `scheduling.py`.
 Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
 (`SpecStats`: steps, tokens per step per row, acceptance per drafted position). After every call the same
 statistics are on the assistant as `assistant_model.speculation_stats`.
@@ -27,6 +29,7 @@ from transformers import GenerationConfig, GenerationMixin
 
 from .drafting import PromptLookupProposer, Proposer, SpecFormerProposer
 from .engine import COMPACTION_HOLE_FRACTION, speculative_decode
+from .scheduling import CONFIDENCE_THRESHOLD
 
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -115,11 +118,14 @@ def generate(
     num_draft_tokens: int | None = None,
     lookup_ngram_size: int = LOOKUP_NGRAM_SIZE,
     compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
+    confidence_threshold: float = CONFIDENCE_THRESHOLD,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
     if prefix_allowed_tokens_fn is not None or negative_prompt_ids is not None:
         raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
+    if not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"confidence_threshold={confidence_threshold} must be between 0 and 1.")
     proposer = _make_proposer(model, assistant_model, num_draft_tokens, lookup_ngram_size)
     _check_arguments(model, inputs, generation_config, streamer, kwargs)
     result = GenerationMixin.generate(
@@ -133,6 +139,7 @@ def generate(
         proposer=proposer,
         speculative_streamer=streamer,
         compaction_hole_fraction=compaction_hole_fraction,
+        confidence_threshold=confidence_threshold,
         **kwargs,
     )
     if assistant_model is not proposer:

@@ -8,6 +8,11 @@ cache), per forward: 1 row 38 vs 37 ms (decoding one row is neither slowed nor s
 vocabulary-sized head gains further (V = 49152: 5 rows 21.4 vs 6.7 ms, 40 rows 38.8 vs 27.6 ms, 160 rows 90 vs
 86 ms, 320 rows 169 vs 269 ms), hence `FEW_HEAD_ROWS`.
 
+The cost of `W @ x^T` is not monotone in the rows: measured again this way (same 210 linears, then the head), for
+1..9 rows: 38, 37, 47, 38, 51, 62, 75, 67, 81 ms and 9.5, 7.3, 10.1, 7.4, 10.2, 13.3, 16.6, 13.8, 16.4 ms. MKL's
+kernels favour an even or four-wide right-hand side, so at B = 1 verifying k = 3 drafts (4 inputs) costs what a
+1-token forward does, while k = 4 (5 inputs) costs a third more; the shipped drafter's default k is 3.
+
 `FewRowLinears` switches this on for the linear layers of given modules while the engine runs, and restores them
 after. It serves plain batched decoding on the CPU as well (B rows per forward: 1.6x at B = 4), e.g.
 

@@ -15,6 +15,11 @@ correction from norm(max(p_j - q_j, 0)); after k acceptances sample the bonus fr
 follow exactly the target's distribution. Uniforms are drawn in float64 and compared as u * q <= p, so q(d) = 0
 (impossible for a sampled draft, but cheap to guard) means rejection rather than a division by zero.
 
+A row may verify fewer than k drafts (`num_drafts[b]`, chosen by `scheduling.py`): drafts from position
+`num_drafts[b]` on are not verified, so acceptance stops there and the token at that position is the target's own
+(greedy: its argmax; sampling: a sample of p, as for a bonus token). Leaving drafts unverified is the same as having
+proposed fewer, so both functions stay lossless.
+
 Each function returns `tokens [B, k + 1]` (committed tokens first, `EMPTY_SLOT` after) and `num_accepted [B]`.
 """
 
@@ -34,10 +39,19 @@ def _committed(draft_ids: torch.LongTensor, num_accepted: torch.LongTensor, last
     return tokens.masked_fill(positions > num_accepted[:, None], EMPTY_SLOT)
 
 
-def verify_greedy(draft_ids: torch.LongTensor, target_scores: torch.Tensor):
-    """draft_ids `[B, k]`, target_scores `[B, k + 1, V]` -> tokens `[B, k + 1]`, num_accepted `[B]`."""
+def _verified(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None) -> torch.BoolTensor:
+    """`[B, k]`: True where position j < num_drafts[b] (everywhere when num_drafts is None)."""
+    positions = torch.arange(draft_ids.shape[1], device=draft_ids.device)[None, :]
+    return (positions < (draft_ids.shape[1] if num_drafts is None else num_drafts[:, None])).expand_as(draft_ids)
+
+
+def verify_greedy(
+    draft_ids: torch.LongTensor, target_scores: torch.Tensor, num_drafts: torch.LongTensor | None = None
+):
+    """draft_ids `[B, k]`, target_scores `[B, k + 1, V]`, num_drafts `[B]` (None: all k) -> tokens `[B, k + 1]`,
+    num_accepted `[B]`."""
     predictions = target_scores.argmax(dim=-1)  # [B, k + 1]
-    matches = (draft_ids == predictions[:, :-1]).long()
+    matches = ((draft_ids == predictions[:, :-1]) & _verified(draft_ids, num_drafts)).long()
     num_accepted = matches.cumprod(dim=1).sum(dim=1)
     last_token = predictions.gather(1, num_accepted[:, None]).squeeze(1)
     return _committed(draft_ids, num_accepted, last_token), num_accepted
@@ -47,6 +61,7 @@ def verify_sampling(
     draft_ids: torch.LongTensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
+    num_drafts: torch.LongTensor | None = None,
     generator: torch.Generator | None = None,
 ):
     """Speculative sampling for a batch of chains.
@@ -55,6 +70,7 @@ def verify_sampling(
         draft_ids: `[B, k]` drafted tokens (sampled from `draft_probs`).
         draft_probs: `[B, k, V]` q, the processed draft distributions the drafts were sampled from.
         target_probs: `[B, k + 1, V]` p, the processed target distributions at the k drafted positions and after.
+        num_drafts: `[B]` drafts verified per row (None: all k).
     Returns:
         tokens `[B, k + 1]`, num_accepted `[B]`.
     """
@@ -62,13 +78,15 @@ def verify_sampling(
     p = target_probs[:, :k].gather(2, draft_ids[..., None]).squeeze(2).double()  # [B, k]
     q = draft_probs.gather(2, draft_ids[..., None]).squeeze(2).double()
     u = torch.rand(p.shape, dtype=torch.float64, device=p.device, generator=generator)
-    accepted = (u * q <= p) & (q > 0)
+    verified = _verified(draft_ids, num_drafts)
+    accepted = (u * q <= p) & (q > 0) & verified
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
 
-    # The distribution of the last committed token: residual at the first rejection, p_{k+1} after all accepted.
+    # The distribution of the last committed token: residual at the first rejection, p after the verified drafts.
     rows = torch.arange(batch, device=draft_ids.device)
     p_last = target_probs[rows, num_accepted]  # [B, V]
     q_last = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, num_accepted]
+    q_last = q_last * torch.cat([verified, verified.new_zeros(batch, 1)], dim=1)[rows, num_accepted, None]
     residual = (p_last - q_last).clamp(min=0)
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q exactly: rejection impossible, keep p
     residual = torch.where(empty, p_last, residual)
