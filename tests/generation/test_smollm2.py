@@ -69,9 +69,10 @@ def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
 
 
 def test_demo_runs_with_the_shipped_drafter(capsys):
-    """The README's main command, small: the shipped drafter drafts (with its next-token input) and generates."""
+    """The README's main command, small: the shipped drafter drafts (with its next-token input) and generates, with
+    the shipped default k = 3."""
     from hf_specformer import demo
 
     result = demo.main(["--batch-size", "2", "--max-new-tokens", "16"])
-    assert result["identical"] and result["tokens_per_step"] > 1.0
-    assert "drafter proposes the 4 after it" in capsys.readouterr().out
+    assert result["identical"] and result["tokens_per_step"] > 1.0 and result["num_draft_tokens"] == 3
+    assert "drafter proposes the 3 after it" in capsys.readouterr().out
