@@ -190,14 +190,14 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
     batches = chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
-    plain, prefill, few_row_plain, tokens, references = 0.0, 0.0, 0.0, 0, []
+    plain, prefill, few_row_plain, tokens, first_reference = 0.0, 0.0, 0.0, 0, None
     tallies = {mode: _ModeTally() for mode in config.modes}
     for batch in tqdm(batches, desc=f"B={batch_size}", leave=False):
         reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs))
         plain += seconds
         prefill += prefill_seconds(target, batch)
         tokens += count_new_tokens(reference, batch["input_ids"].shape[1], tokenizer.eos_token_id)
-        references.append(reference)
+        first_reference = reference if first_reference is None else first_reference
         if config.few_row_plain:
             with FewRowLinears([target], head=target.get_output_embeddings()):
                 few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs))[1]
@@ -205,7 +205,7 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             tally.add(*_speculative_run(target, tokenizer, batch, reference, mode, config, drafters, gen_kwargs),
                       reference)
     width = batches[0]["input_ids"].shape[1]
-    context = references[0][:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
+    context = first_reference[:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
     context_mask = torch.cat([batches[0]["attention_mask"], torch.ones_like(context[:, width:])], 1)
     limit = forward_cost_limit(target, context, context_mask, config.num_draft_tokens, config.limit_repeats)
     rows = []

@@ -13,8 +13,8 @@ Rows that finish are dropped from the batch (`select_rows`), so they stop costin
 
 Token layout: `tokens[b]` = left-padded prompt (width `prompt_width`) followed by the row's generated tokens
 (`num_generated[b]` of them), then scratch space where tentative drafts are written so logits processors can read
-a row's exact prefix. Unused entries hold `pad_token_id`, so `tokens[:, :prompt_width + max generated]` is what
-`generate` returns.
+a row's exact prefix. Entries past a row's prefix are `pad_token_id` or stale drafts; `sequences` pads them, so it
+returns what `generate` does.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class RaggedBatch:
         row_ids: `[B]` original row index of each active row.
         attention_mask: `[B, S]` 1 where a cache column holds a valid entry of that row.
         lengths: `[B]` valid cache entries per active row (the position id of the row's next input).
+        pad_token_id: what `sequences` puts after each row's end.
     """
 
     tokens: torch.LongTensor
@@ -43,6 +44,7 @@ class RaggedBatch:
     row_ids: torch.LongTensor
     attention_mask: torch.LongTensor
     lengths: torch.LongTensor
+    pad_token_id: int
 
     @classmethod
     def start(
@@ -62,6 +64,7 @@ class RaggedBatch:
             row_ids=torch.arange(batch, device=input_ids.device),
             attention_mask=attention_mask.long(),
             lengths=torch.zeros(batch, dtype=torch.long, device=input_ids.device),
+            pad_token_id=pad_token_id,
         )
 
     @property
@@ -138,4 +141,7 @@ class RaggedBatch:
 
     def sequences(self) -> torch.LongTensor:
         """`[B0, prompt_width + max generated]`: what `generate` returns (pad after each row's end)."""
-        return self.tokens[:, : self.prompt_width + int(self.num_generated.max())]
+        width = self.prompt_width + int(self.num_generated.max())
+        columns = torch.arange(width, device=self.tokens.device)[None, :]
+        past_end = columns >= (self.prompt_width + self.num_generated)[:, None]
+        return self.tokens[:, :width].masked_fill(past_end, self.pad_token_id)

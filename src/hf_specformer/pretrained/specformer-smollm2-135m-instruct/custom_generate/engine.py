@@ -28,7 +28,7 @@ from .processing import RaggedLogitsProcessor
 from .products import FewRowLinears
 from .scheduling import CONFIDENCE_THRESHOLD, num_drafts_to_verify
 from .stats import SpecStats
-from .verification import EMPTY_SLOT, verify_greedy, verify_sampling
+from .verification import verify_greedy, verify_sampling
 
 COMPACTION_HOLE_FRACTION = 0.5
 """Default share of cache columns that are holes (rejected drafts, padding) at which the caches are compacted."""
@@ -270,7 +270,6 @@ def _decode(
             tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts)
         stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts if num_drafts is not None else width)
         batch.commit_cache(num_accepted + 1, width + 1)
-        tokens = torch.nn.functional.pad(tokens, (0, k - width), value=EMPTY_SLOT)  # also clears unfed drafts' scratch
         finished = commit(batch, tokens, num_accepted + 1)
         draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted)
         draft_logits = _retire_rows(batch, caches, finished, draft_logits)
