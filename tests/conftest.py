@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from hf_specformer import SpecFormerConfig, SpecFormerForDrafting
+from hf_specformer import CompanionConfig, CompanionForVerification, SpecFormerConfig, SpecFormerForDrafting
 
 TINY_VOCAB = 96
 TINY_COMMON = dict(
@@ -40,6 +40,20 @@ def make_drafter(target, draft_length: int = 4, seed: int = 1, **kwargs) -> Spec
     torch.manual_seed(seed)
     config = SpecFormerConfig.from_target_config(target.config, draft_length=draft_length, **kwargs)
     return SpecFormerForDrafting(config).double().eval().bind_target(target)
+
+
+def make_companion(target, seed: int = 2, **kwargs) -> CompanionForVerification:
+    """A randomly initialised companion in float64, bound to `target`."""
+    torch.manual_seed(seed)
+    defaults = dict(companion_size=16, num_attention_heads=2, intermediate_size=32)
+    config = CompanionConfig.from_target_config(target.config, **{**defaults, **kwargs})
+    return CompanionForVerification(config).double().eval().bind_target(target)
+
+
+@pytest.fixture(autouse=True)
+def step_costs_cache(tmp_path_factory, monkeypatch):
+    """Measured step costs go to a folder of this test session, not the user's cache."""
+    monkeypatch.setenv("HF_SPECFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "hf_specformer_cache"))
 
 
 @pytest.fixture(params=sorted(TARGET_FACTORIES))

@@ -1,11 +1,19 @@
 """hf-specformer: SpecFormer drafters and batched, lossless speculative decoding for Hugging Face transformers."""
 
 from .generation import OracleProposer, PromptLookupProposer, Proposer, SpecFormerProposer, SpecStats, generate
-from .models import SpecFormerConfig, SpecFormerForDrafting, SpecFormerOutput
+from .models import (
+    CompanionConfig,
+    CompanionForVerification,
+    SpecFormerConfig,
+    SpecFormerForDrafting,
+    SpecFormerOutput,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompanionConfig",
+    "CompanionForVerification",
     "OracleProposer",
     "PromptLookupProposer",
     "Proposer",

@@ -13,6 +13,11 @@ too: decode speedup = (plain - prefill) / (speculative - prefill), and engine ef
 oracle proposer drafts the target's own greedy continuation (all drafts accepted), so its efficiency measures the
 engine apart from drafter quality. A drafter can also be measured with prompt lookup on top (mode `DIR+lookup`,
 `generate(..., lookup_ngram_size=4)`; the plain drafter mode runs with lookup off); the oracle never uses it.
+Every drafter mode runs under each schedule asked for (`--schedules`): `fixed` (every row verifies k drafts),
+`goodput` (the goodput scheduler on the drafter's own confidence) and, with `--companion DIR`, `companion` (the
+goodput scheduler on Speculative Verification's (S, A) from the companion). The goodput scheduler's step costs are
+measured before the first batch size (once per target, dtype, device and drafter; cached on disk), so their
+measurement is not part of any timing. Rows report the drafts verified per step and the mean width chosen.
 
 Writes `<output>.json` and `<output>.png`.
 """
@@ -62,6 +67,8 @@ class BenchConfig:
     limit_repeats: int = 15
     compaction_hole_fraction: float = 0.5
     confidence_threshold: float = CONFIDENCE_THRESHOLD
+    schedules: list[str] = field(default_factory=lambda: ["fixed"])
+    companion: str | None = None
     few_row_plain: bool = False
     output: str = "bench/results"
 
@@ -133,6 +140,22 @@ def split_mode(mode: str) -> tuple[str, int]:
     return mode, 0
 
 
+SCHEDULE_KWARGS = {"fixed": {"schedule": "fixed"}, "goodput": {"schedule": "goodput"},
+                   "companion": {"schedule": "goodput"}}
+"""Bench schedule -> `generate` arguments (`companion` adds the companion model)."""
+
+
+def run_label(mode: str, schedule: str) -> str:
+    """The name of one (mode, schedule) run in reports and plots: the oracle has no schedule."""
+    return mode if mode == "oracle" else f"{mode} [{schedule}]"
+
+
+def runs(config: BenchConfig) -> list[tuple[str, str]]:
+    """(mode, schedule) pairs measured: the oracle once (fixed k), every other mode under every schedule."""
+    return [(mode, "fixed") if mode == "oracle" else (mode, schedule)
+            for mode in config.modes for schedule in (["fixed"] if mode == "oracle" else config.schedules)]
+
+
 def make_assistant(mode: str, target, reference_new: torch.LongTensor, k: int, pad_token_id: int):
     """The proposer for a mode: the oracle, a freshly initialised SpecFormer, or a drafter folder."""
     if mode == "oracle":
@@ -159,6 +182,8 @@ class _ModeTally:
     drafts_per_step: list[float] = field(default_factory=list)
     per_position: list[list[float]] = field(default_factory=list)
 
+    stats: list[dict] = field(default_factory=list)
+
     def add(self, output, seconds: float, reference: torch.LongTensor) -> None:
         self.seconds += seconds
         same_shape = output.sequences.shape == reference.shape
@@ -166,19 +191,40 @@ class _ModeTally:
         self.kappas.append(output.speculation_stats.tokens_per_step)
         self.drafts_per_step.append(output.speculation_stats.drafts_per_step)
         self.per_position.append(output.speculation_stats.acceptance_by_position)
+        self.stats.append(output.speculation_stats.to_dict())
+
+    def summary(self) -> dict:
+        """Means over batches of what the schedule chose and how well it predicted."""
+        width_counts = [sum(column) for column in zip(*(s["width_counts"] for s in self.stats))]
+        drafted = sum(s["drafted"] for s in self.stats)
+        return {
+            "width_counts": width_counts,
+            "mean_width": sum(w * n for w, n in enumerate(width_counts)) / max(sum(width_counts), 1),
+            "predicted_acceptance_rate": sum(s["predicted_acceptance_rate"] * s["drafted"] for s in self.stats)
+            / max(drafted, 1),
+            "acceptance_rate": sum(s["accepted"] for s in self.stats) / max(drafted, 1),
+            "drafting_steps_share": sum(s["drafting_steps"] for s in self.stats) / max(sum(s["steps"] for s in self.stats), 1),
+        }
 
 
-def _speculative_run(target, tokenizer, batch, reference, mode: str, config: BenchConfig, drafters: dict, gen_kwargs):
-    """One mode on one batch -> (output, seconds)."""
+def _speculative_run(target, tokenizer, batch, reference, run: tuple[str, str], config: BenchConfig,
+                     drafters: dict, gen_kwargs):
+    """One (mode, schedule) on one batch -> (output, seconds)."""
+    mode, schedule = run
     proposer_mode, lookup_ngram_size = split_mode(mode)
     assistant = drafters.get(proposer_mode) or make_assistant(
         proposer_mode, target, reference[:, batch["input_ids"].shape[1]:], config.num_draft_tokens,
         tokenizer.pad_token_id,
     )
+    speculation = dict(SCHEDULE_KWARGS[schedule])
+    if schedule == "fixed":
+        speculation["confidence_threshold"] = config.confidence_threshold
+    if schedule == "companion":
+        speculation["companion_model"] = drafters["companion"]
     return _timed(lambda: generate(
         target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
         lookup_ngram_size=lookup_ngram_size, compaction_hole_fraction=config.compaction_hole_fraction,
-        confidence_threshold=config.confidence_threshold, return_dict_in_generate=True, **gen_kwargs,
+        return_dict_in_generate=True, **speculation, **gen_kwargs,
     ))
 
 
@@ -191,7 +237,7 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
     plain, prefill, few_row_plain, tokens, first_reference = 0.0, 0.0, 0.0, 0, None
-    tallies = {mode: _ModeTally() for mode in config.modes}
+    tallies = {run: _ModeTally() for run in runs(config)}
     for batch in tqdm(batches, desc=f"B={batch_size}", leave=False):
         reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs))
         plain += seconds
@@ -201,18 +247,18 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
         if config.few_row_plain:
             with FewRowLinears([target], head=target.get_output_embeddings()):
                 few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs))[1]
-        for mode, tally in tallies.items():
-            tally.add(*_speculative_run(target, tokenizer, batch, reference, mode, config, drafters, gen_kwargs),
+        for run, tally in tallies.items():
+            tally.add(*_speculative_run(target, tokenizer, batch, reference, run, config, drafters, gen_kwargs),
                       reference)
     width = batches[0]["input_ids"].shape[1]
     context = first_reference[:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
     context_mask = torch.cat([batches[0]["attention_mask"], torch.ones_like(context[:, width:])], 1)
     limit = forward_cost_limit(target, context, context_mask, config.num_draft_tokens, config.limit_repeats)
     rows = []
-    for mode, tally in tallies.items():
+    for (mode, schedule), tally in tallies.items():
         decode_speedup = (plain - prefill) / (tally.seconds - prefill)
         rows.append({
-            "mode": mode, "batch_size": batch_size, "num_batches": len(batches), "new_tokens": tokens,
+            "mode": mode, "schedule": schedule, "label": run_label(mode, schedule), "batch_size": batch_size, "num_batches": len(batches), "new_tokens": tokens,
             "plain_seconds": plain, "spec_seconds": tally.seconds, "prefill_seconds": prefill,
             "plain_tokens_per_s": tokens / plain, "spec_tokens_per_s": tokens / tally.seconds,
             "speedup": plain / tally.seconds, "decode_speedup": decode_speedup, **limit,
@@ -221,10 +267,24 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             "drafts_per_step": statistics.mean(tally.drafts_per_step),
             "acceptance_by_position": [statistics.mean(col) for col in zip(*tally.per_position)],
             "mismatched_rows": tally.mismatched_rows,
+            **tally.summary(),
         })
         if config.few_row_plain:
             rows[-1].update(few_row_plain_seconds=few_row_plain, speedup_over_few_row_plain=few_row_plain / tally.seconds)
     return rows
+
+
+def measure_goodput_costs(target, tokenizer, prompts, config: BenchConfig, drafters: dict) -> None:
+    """Has every goodput run measure (or load) its step costs up to the largest batch size before any timing: a
+    short generate at that batch size, whose output is discarded."""
+    goodput_runs = [(mode, schedule) for mode, schedule in runs(config) if schedule != "fixed"]
+    if not goodput_runs:
+        return
+    batch = chat_batches(tokenizer, (prompts * max(config.batch_sizes))[: max(config.batch_sizes)],
+                         max(config.batch_sizes))[0]
+    gen_kwargs = dict(max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    for run in dict.fromkeys((split_mode(mode)[0], schedule) for mode, schedule in goodput_runs):
+        _speculative_run(target, tokenizer, batch, None, run, config, drafters, gen_kwargs)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -235,21 +295,20 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    modes = list(dict.fromkeys(row["mode"] for row in results))
-    for mode in modes:
-        rows = [row for row in results if row["mode"] == mode]
+    labels = list(dict.fromkeys(row["label"] for row in results))
+    for label in labels:
+        rows = [row for row in results if row["label"] == label]
         sizes = [r["batch_size"] for r in rows]
-        line = axis.plot(sizes, [r["speedup"] for r in rows], marker="o", label=f"{Path(mode).name} (end to end)")
-        axis.plot(sizes, [r["decode_speedup"] for r in rows], marker=".", linestyle=":", color=line[0].get_color(),
-                  label=f"{Path(mode).name} (decode phase)")
-    limit_rows = [row for row in results if row["mode"] == modes[0]]
+        name = label.replace(str(Path(rows[0]["mode"]).parent) + "/", "") if "/" in label else label
+        axis.plot(sizes, [r["speedup"] for r in rows], marker="o", label=name)
+    limit_rows = [row for row in results if row["label"] == labels[0]]
     axis.plot([r["batch_size"] for r in limit_rows], [r["limit"] for r in limit_rows], "k--", label="cost-model limit")
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("batch size")
-    axis.set_ylabel("speedup over plain generate")
+    axis.set_ylabel("speedup over plain generate (end to end)")
     axis.set_title("Speculative vs plain greedy generate")
-    axis.legend()
+    axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -266,10 +325,18 @@ def run_benchmark(config: BenchConfig) -> dict:
         mode: make_assistant(mode, target, None, config.num_draft_tokens, tokenizer.pad_token_id)
         for mode in proposer_modes if mode != "oracle"
     }
+    if "companion" in config.schedules:
+        if not config.companion:
+            raise SystemExit("The companion schedule needs --companion DIR.")
+        drafters["companion"] = AutoModel.from_pretrained(config.companion, trust_remote_code=True,
+                                                          dtype=target.dtype).eval()
+    measure_goodput_costs(target, tokenizer, prompts, config, drafters)
     results = []
     for batch_size in tqdm(config.batch_sizes, desc="batch sizes"):
         results.extend(bench_batch_size(target, tokenizer, prompts, batch_size, config, drafters))
-        tqdm.write(json.dumps({k: v for k, v in results[-1].items() if k != "acceptance_by_position"}))
+        for row in results[-len(runs(config)):]:
+            tqdm.write(f"B={batch_size} {row['label']}: {row['speedup']:.2f}x, kappa {row['tokens_per_step']:.2f}, "
+                       f"{row['drafts_per_step']:.2f} drafts/step, mismatched {row['mismatched_rows']}")
     report = {
         "config": asdict(config),
         "prompt_source": source or "hf_specformer default prompts",
@@ -301,7 +368,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--compaction-hole-fraction", type=float, default=0.5,
                         help="compact caches at this hole share (above 1: never), to measure compaction")
     parser.add_argument("--confidence-threshold", type=float, default=CONFIDENCE_THRESHOLD,
-                        help="rows verify drafts while their cumulative probability is at least this (0: all k)")
+                        help="with the fixed schedule, rows verify drafts while their cumulative probability is at "
+                        "least this (0: all k)")
+    parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULE_KWARGS), default=["fixed", "goodput"],
+                        help="schedules each drafter mode runs under (companion: goodput with --companion)")
+    parser.add_argument("--companion", default=None, help="a companion folder (schedule `companion`)")
     parser.add_argument("--few-row-plain", action="store_true",
                         help="also time plain generate with the engine's few-row CPU products (a second baseline)")
     parser.add_argument("--output", default="bench/results", help="path stem of the JSON and PNG")
@@ -319,6 +390,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, min_rows=args.min_rows, prompts=args.prompts,
         threads=args.threads, output=args.output, compaction_hole_fraction=args.compaction_hole_fraction,
         few_row_plain=args.few_row_plain, confidence_threshold=args.confidence_threshold,
+        schedules=args.schedules + (["companion"] if args.companion and "companion" not in args.schedules else []),
+        companion=args.companion,
     )
 
 

@@ -4,6 +4,8 @@
     hf-specformer synthesize --output F     the target writes user prompts itself (Magpie; resumable)
     hf-specformer distill --output DIR      the target answers prompts (resumable self-distillation data)
     hf-specformer train --data DIR ...      train a drafter (also: accelerate launch -m hf_specformer.train)
+    hf-specformer train-companion ...       train a Speculative Verification companion (also under accelerate)
+    hf-specformer calibrate --data DIR ...  acceptance tables of drafter and companion, estimator comparison
     hf-specformer bench --oracle ...        side-by-side benchmark, JSON + PNG
     hf-specformer export --drafter DIR ...  Hub folder: weights, code, custom_generate/, model card
 """
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         "synthesize": lambda rest: __import__("hf_specformer.training.synthesize", fromlist=["main"]).main(rest),
         "distill": lambda rest: __import__("hf_specformer.training.distill", fromlist=["main"]).main(rest),
         "train": lambda rest: __import__("hf_specformer.training.train_drafter", fromlist=["main"]).main(rest),
+        "train-companion": lambda rest: __import__(
+            "hf_specformer.training.train_companion", fromlist=["main"]).main(rest),
+        "calibrate": lambda rest: __import__("hf_specformer.training.calibrate", fromlist=["main"]).main(rest),
         "bench": lambda rest: __import__("hf_specformer.bench", fromlist=["main"]).main(rest),
         "export": _export,
     }

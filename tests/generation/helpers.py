@@ -5,8 +5,30 @@ from __future__ import annotations
 import torch
 
 from hf_specformer import OracleProposer, generate
+from hf_specformer.generation.acceptance import NUM_SOURCES, PRIOR_TRIALS, SIGNALS, AcceptanceTable
+from hf_specformer.generation.scheduling import StepCostModel
 
 PAD = 0
+
+TEST_STEP_COSTS = StepCostModel(
+    batch_sizes=[1, 64],
+    step_seconds=[[1.0 + 0.4 * w for w in range(9)], [64.0 * (1.0 + 0.4 * w) for w in range(9)]],
+    draft_seconds=[0.05, 3.2],
+    description={"what": "test costs: t(B, w) = B (1 + 0.4 w), t_d(B) = 0.05 B"},
+)
+"""Made-up step costs for the goodput scheduler in tests: deterministic (measured costs of tiny models are noise),
+and with this slope a row's drafts are verified only when their estimated acceptance is high, so tests see plain
+steps, narrow and full-width steps, and skipped drafting."""
+
+
+def optimistic_table(signal: str, num_slots: int = 8) -> dict:
+    """A calibrated-table dict that expects 90% acceptance everywhere, at the largest prior weight: the goodput
+    scheduler starts by verifying every draft, then online counts bring the estimates to what it observes."""
+    features = SIGNALS[signal]
+    shape = (NUM_SOURCES, num_slots, *([2] * features))
+    table = AcceptanceTable(signal, [[0.5]] * features, num_slots, torch.full(shape, 0.9),
+                            torch.full(shape, PRIOR_TRIALS))
+    return table.to_dict()
 
 
 def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int = 3, max_len: int = 14):
@@ -41,19 +63,25 @@ class SoftOracle(OracleProposer):
         super().__init__(noisy.continuations[:, :-(k + 1)], k, vocab, PAD)
         self.generator = torch.Generator().manual_seed(seed + 1)
 
-    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
-        one_hot = super().propose(batch, hidden_states, position_ids, source_index)
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
+        one_hot = super().propose(batch, hidden_states, position_ids, source_index, draft)
+        if one_hot is None:
+            return None
         margin = torch.rand(one_hot.shape[:2], generator=self.generator, dtype=one_hot.dtype) * 8
         return torch.where(one_hot.isinf(), 0.0, margin[..., None])
 
 
 def assert_same_as_generate(
     target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
-    lookup_ngram_size=None, confidence_threshold=None, **kwargs
+    lookup_ngram_size=None, confidence_threshold=None, schedule=None, step_costs=TEST_STEP_COSTS,
+    companion_model=None, **kwargs
 ):
     """Speculative output equals `target.generate` token for token; returns the speculative output.
-    `lookup_ngram_size=None` and `confidence_threshold=None` keep `generate`'s defaults."""
-    speculative_only = {"lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold}
+    `None` keeps `generate`'s defaults (the goodput schedule, here with `TEST_STEP_COSTS`)."""
+    speculative_only = {
+        "lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold, "schedule": schedule,
+        "step_costs": step_costs, "companion_model": companion_model,
+    }
     kwargs_spec = {name: value for name, value in speculative_only.items() if value is not None}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
     output = generate(

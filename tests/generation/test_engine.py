@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_drafter, make_target
-from helpers import PAD, SoftOracle, assert_same_as_generate, make_batch, noisy_oracle
+from conftest import TINY_VOCAB, make_companion, make_drafter, make_target
+from helpers import PAD, SoftOracle, assert_same_as_generate, make_batch, noisy_oracle, optimistic_table
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -42,8 +42,9 @@ def _eos_ids(reference_new: torch.LongTensor, mode: str | None):
     return ids
 
 
+@pytest.mark.parametrize("schedule", ["fixed", "goodput"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_equals_generate(case):
+def test_greedy_equals_generate(case, schedule):
     kind, drafter_kind, batch_size, k, padded, eos_mode, max_new = CASES[case]
     target = make_target(kind)
     input_ids, mask = make_batch(batch_size, seed=batch_size + k, padded=padded)
@@ -61,11 +62,11 @@ def test_greedy_equals_generate(case):
     }[drafter_kind]()
     output = assert_same_as_generate(
         target, assistant, input_ids, mask, num_draft_tokens=k if drafter_kind in ("untrained", "vocab") else None,
-        lookup_ngram_size=0 if drafter_kind == "oracle" else None, **kwargs
+        lookup_ngram_size=0 if drafter_kind == "oracle" else None, schedule=schedule, **kwargs
     )
     stats = output.speculation_stats
-    assert stats.steps >= 0 and len(stats.accepted_at) == k
-    if drafter_kind == "oracle" and eos is None and max_new > 1:
+    assert len(stats.accepted_at) == k and sum(stats.width_counts) == stats.steps
+    if drafter_kind == "oracle" and eos is None and max_new > 1 and schedule == "fixed":
         assert stats.acceptance_rate == 1.0 and stats.tokens_per_step == k + 1
 
 
@@ -262,9 +263,12 @@ class RecordingProposer(SpecFormerProposer):
         super().__init__(drafter, num_draft_tokens)
         self.records = []
 
-    def propose(self, batch, hidden_states, position_ids, source_index):
-        logits = super().propose(batch, hidden_states, position_ids, source_index)
-        self.records.extend(zip(batch.row_ids.tolist(), batch.num_generated[batch.row_ids].tolist(), logits))
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True):
+        logits = super().propose(batch, hidden_states, position_ids, source_index, draft)
+        if logits is not None:
+            self.records.extend(
+                zip(batch.row_ids.tolist(), batch.num_generated[batch.row_ids].tolist(), logits)
+            )
         return logits
 
 
@@ -295,3 +299,78 @@ def test_drafts_with_next_token_input_equal_the_full_sequence_forward(kind):
         torch.testing.assert_close(logits, full, rtol=1e-9, atol=1e-9)
         checked += 1
     assert checked > 6  # every row, several steps
+
+
+# name: (target kind, batch size, k, padded, eos mode, max_new_tokens)
+COMPANION_CASES = {
+    "llama-b1-k3": ("llama", 1, 3, False, None, 20),
+    "llama-b16-k4-pad-eos": ("llama", 16, 4, True, "mid", 30),
+    "qwen3-b7-k2-pad-eos-multi": ("qwen3", 7, 2, True, "several", 25),
+    "qwen3-b32-k3-pad": ("qwen3", 32, 3, True, None, 16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPANION_CASES))
+def test_goodput_with_a_companion_equals_generate(case):
+    """SV's (S, A) signals from a companion drive the goodput scheduler; a noisy oracle (30% wrong drafts) makes
+    rows accept different numbers of drafts and the online table learn."""
+    kind, batch_size, k, padded, eos_mode, max_new = COMPANION_CASES[case]
+    target = make_target(kind)
+    input_ids, mask = make_batch(batch_size, seed=batch_size * 3 + k, padded=padded)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
+    new_tokens = reference[:, input_ids.shape[1]:]
+    eos = _eos_ids(new_tokens, eos_mode)
+    kwargs = dict(max_new_tokens=max_new, pad_token_id=PAD, **({"eos_token_id": eos} if eos else {}))
+    companion = make_companion(target)
+    companion.config.acceptance_table = optimistic_table("sv")
+    output = assert_same_as_generate(
+        target, noisy_oracle(new_tokens, k, TINY_VOCAB, corrupt=0.3), input_ids, mask, lookup_ngram_size=0,
+        companion_model=companion, **kwargs,
+    )
+    stats = output.speculation_stats
+    assert sum(stats.width_counts) == stats.steps and stats.drafted > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_goodput_skips_drafting_that_does_not_pay_and_stays_lossless(kind):
+    """An untrained drafter's drafts are rarely right and it knows it (low confidence): the scheduler verifies
+    none, stops running the drafter's slot stage (its context cache keeps growing) and probes now and then."""
+    target = make_target(kind)
+    input_ids, mask = make_batch(12, seed=5)
+    output = assert_same_as_generate(
+        target, make_drafter(target), input_ids, mask, num_draft_tokens=3, lookup_ngram_size=0, max_new_tokens=40,
+        pad_token_id=PAD,
+    )
+    stats = output.speculation_stats
+    assert stats.width_counts[0] > stats.steps // 2, stats.width_counts
+    assert 0 < stats.drafting_steps < stats.steps, (stats.drafting_steps, stats.steps)
+
+
+def test_goodput_verifies_wide_steps_for_an_oracle():
+    """All drafts right: the estimates climb and most steps verify all k."""
+    target = make_target("llama")
+    input_ids, mask = make_batch(8, seed=2)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
+    oracle = OracleProposer(reference[:, input_ids.shape[1]:], 4, TINY_VOCAB, PAD)
+    output = assert_same_as_generate(target, oracle, input_ids, mask, lookup_ngram_size=0, max_new_tokens=40,
+                                     pad_token_id=PAD)
+    stats = output.speculation_stats
+    assert stats.width_counts[4] >= stats.steps - 2, stats.width_counts
+    assert abs(stats.predicted_acceptance_rate - stats.acceptance_rate) < 0.15
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"schedule": "adaptive"}, "schedule"), ({"schedule": "goodput", "confidence_threshold": 0.3}, "fixed"),
+     ({"schedule": "fixed", "companion": True}, "companion"), ({"companion": "drafter"}, "CompanionForVerification")],
+)
+def test_schedule_arguments_are_checked(kwargs, message):
+    target = make_target("llama")
+    input_ids, mask = make_batch(2)
+    kwargs = dict(kwargs)
+    if kwargs.pop("companion", None) is not None:
+        kwargs["companion_model"] = make_drafter(target) if message == "CompanionForVerification" \
+            else make_companion(target)
+    with pytest.raises(ValueError, match=message):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                 max_new_tokens=3, **kwargs)

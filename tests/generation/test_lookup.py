@@ -71,6 +71,7 @@ def test_lookup_raises_acceptance_on_repetitive_text_and_can_be_turned_off():
     input_ids, mask = make_batch(4, seed=4)
     runs = {
         size: assert_same_as_generate(target, make_drafter(target), input_ids, mask, num_draft_tokens=4,
+                                      schedule="fixed",
                                       lookup_ngram_size=size, max_new_tokens=60, pad_token_id=PAD,
                                       eos_token_id=None).speculation_stats
         for size in (0, 4)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_drafter
+from conftest import make_companion, make_drafter
+from helpers import TEST_STEP_COSTS, optimistic_table
 from scipy.stats import chi2
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -58,21 +59,27 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "sampling, draft_vocab, prompt, seed, threshold",
-    [({"temperature": 1.0}, None, [3, 7, 1, 5], 1234, 0.0),
-     ({"temperature": 0.8, "top_k": 5}, None, [3, 7, 1, 5], 1234, 0.0),
-     ({"temperature": 1.0, "top_p": 0.8}, None, [3, 7, 1, 5], 1234, 0.0),
-     ({"temperature": 1.0}, [0, 2, 3, 5, 8, 11], [3, 7, 1, 5], 7, 0.0),
-     ({"temperature": 1.0}, None, LOOKUP_PROMPT, 99, 0.0), ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 5, 0.0),
-     ({"temperature": 1.0}, None, [3, 7, 1, 5], 31, 0.2)],
+    "sampling, draft_vocab, prompt, seed, schedule",
+    [({"temperature": 1.0}, None, [3, 7, 1, 5], 1234, "fixed"),
+     ({"temperature": 0.8, "top_k": 5}, None, [3, 7, 1, 5], 1234, "fixed"),
+     ({"temperature": 1.0, "top_p": 0.8}, None, [3, 7, 1, 5], 1234, "fixed"),
+     ({"temperature": 1.0}, [0, 2, 3, 5, 8, 11], [3, 7, 1, 5], 7, "fixed"),
+     ({"temperature": 1.0}, None, LOOKUP_PROMPT, 99, "fixed"),
+     ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 5, "fixed"),
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 31, "threshold"),
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 17, "goodput"),
+     ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 23, "goodput"),
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 41, "companion")],
     ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup",
-         "t1.0-threshold"],
+         "t1.0-threshold", "t1.0-goodput", "t0.8-topk5-lookup-goodput", "t1.0-goodput-companion"],
 )
-def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, threshold):
+def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, schedule):
     """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest.
     `lookup`: the prompt holds "5 x" for every token x and ends with 5, so whatever token comes first, prompt
     lookup proposes one-hot drafts after it (checked). `threshold`: rows verify 1 to 3 of their drafts, by the
-    drafts' cumulative probability (checked), so the token after a row's last verified draft is a bonus sample."""
+    drafts' cumulative probability (checked), so the token after a row's last verified draft is a bonus sample.
+    `goodput`: the goodput scheduler picks each step's width, 0 (a plain sampled step) included (checked), and
+    skips drafting when it does not pay; `companion`: the same with SV's (S, A) signals from a companion."""
     target = sharp_target()
     drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
     prompt = torch.tensor(prompt)
@@ -81,12 +88,20 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     reference = exact_joint(target, prompt, processors)
 
     torch.manual_seed(seed)
+    companion = make_companion(target) if schedule == "companion" else None
+    for model in (drafter, companion):
+        if model is not None:  # the first step verifies every draft; online counts then lower the estimates
+            model.config.acceptance_table = optimistic_table("sv" if model is companion else "confidence")
+    speculation = {
+        "fixed": dict(schedule="fixed"), "threshold": dict(schedule="fixed", confidence_threshold=0.2),
+        "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS),
+        "companion": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, companion_model=companion),
+    }[schedule]
     rows = []
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
         out = generate(
             target, input_ids=prompt[None].repeat(5000, 1), attention_mask=torch.ones(5000, len(prompt)),
-            assistant_model=drafter, num_draft_tokens=3, confidence_threshold=threshold,
-            generation_config=config,
+            assistant_model=drafter, num_draft_tokens=3, generation_config=config, **speculation,
         )
         rows.append(out[:, len(prompt):])
     samples = torch.cat(rows)
@@ -94,8 +109,10 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     counts = torch.bincount(codes, minlength=VOCAB**NEW_TOKENS).double()
     stats = drafter.speculation_stats
     assert 0 < stats.accepted < stats.drafted, "the test needs both acceptances and rejections"
-    if threshold > 0:
+    if schedule == "threshold":
         assert 1.2 < stats.drafts_per_step < 2.8, stats.drafts_per_step
+    if schedule in ("goodput", "companion") and prompt.tolist() != LOOKUP_PROMPT:  # lookup drafts stay accepted
+        assert stats.width_counts[0] > 0 and sum(stats.width_counts[1:]) > 0, stats.width_counts
     if prompt.tolist() == LOOKUP_PROMPT:
         assert stats.looked_up >= 5000, "every row's first drafts (of the last call's 5000) must come from lookup"
 

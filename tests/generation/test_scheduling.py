@@ -1,4 +1,4 @@
-"""How many drafts a row verifies: the longest prefix of drafts whose cumulative probability reaches the threshold."""
+"""How many drafts a row verifies: a confidence threshold, and the goodput scheduler with its step-cost model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,16 @@ import torch
 from conftest import make_drafter, make_target
 from helpers import make_batch
 
-from hf_specformer import generate
-from hf_specformer.generation.scheduling import num_drafts_to_verify
+from hf_specformer import SpecFormerProposer, generate
+from hf_specformer.generation.engine import measure_step_costs
+from hf_specformer.generation.scheduling import (
+    GoodputSchedule,
+    StepCostModel,
+    cached_step_costs,
+    num_drafts_to_verify,
+    profile_step_costs,
+    step_costs_path,
+)
 
 
 def test_longest_prefix_above_threshold_and_at_least_one():
@@ -26,3 +34,105 @@ def test_generate_rejects_a_threshold_outside_zero_one(threshold):
     with pytest.raises(ValueError, match="confidence_threshold"):
         generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
                  confidence_threshold=threshold, max_new_tokens=3)
+
+
+# ----- goodput scheduler ----------------------------------------------------------------------------------------
+def linear_costs(slope: float = 0.4, draft: float = 0.05, max_width: int = 4) -> StepCostModel:
+    """t(B, w) = B (1 + slope w), t_d(B) = draft B."""
+    sizes = [1, 8, 64]
+    return StepCostModel(sizes, [[b * (1 + slope * w) for w in range(max_width + 1)] for b in sizes],
+                         [draft * b for b in sizes])
+
+
+def brute_force_width(cumulative: torch.Tensor, costs: StepCostModel) -> int:
+    batch, k = cumulative.shape
+    goodput = [(batch + float(cumulative[:, :w].sum())) / costs.step(batch, w) for w in range(k + 1)]
+    return max(range(k + 1), key=goodput.__getitem__)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_goodput_width_is_the_exact_optimum(seed):
+    generator = torch.Generator().manual_seed(seed)
+    per_draft = torch.rand(16, 4, generator=generator) ** (seed + 0.5)
+    cumulative = per_draft.cumprod(1)
+    costs = linear_costs()
+    chosen = GoodputSchedule(costs, 4).choose(None, None, cumulative)
+    assert int(chosen.max()) == brute_force_width(cumulative, costs)
+    assert (chosen == chosen.max()).all()  # every row verifies up to the chosen width: it is paid for
+
+
+def test_goodput_chooses_a_plain_step_when_drafts_do_not_pay_and_full_width_when_they_do():
+    schedule = GoodputSchedule(linear_costs(), 4)
+    assert schedule.choose(None, None, torch.full((8, 4), 0.1).cumprod(1)).tolist() == [0] * 8
+    assert schedule.choose(None, None, torch.full((8, 4), 0.97).cumprod(1)).tolist() == [4] * 8
+
+
+def test_rows_without_drafts_verify_none():
+    confident = [0.99, 0.98, 0.97]
+    cumulative = torch.tensor([confident] * 4 + [[0.0, 0.0, 0.0], [0.99, 0.0, 0.0]])  # row 4: no draft at all
+    assert GoodputSchedule(linear_costs(max_width=3), 3).choose(None, None, cumulative).tolist() == [3, 3, 3, 3, 0, 1]
+
+
+def test_should_draft_stops_when_drafting_does_not_pay_and_probes():
+    schedule = GoodputSchedule(linear_costs(), 4, probe_interval=3)
+    assert schedule.should_draft(8)  # nothing known yet: draft
+    schedule.choose(None, None, torch.full((8, 4), 0.05).cumprod(1))
+    decisions = [schedule.should_draft(8) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]
+    for _ in range(6):  # the running mean follows the drafts back up
+        schedule.choose(None, None, torch.full((8, 4), 0.99).cumprod(1))
+    assert schedule.should_draft(8)
+    schedule.choose(None, None, torch.full((8, 4), 0.01).cumprod(1), drafted=False)  # lookup-only: not remembered
+    assert schedule.should_draft(8)
+
+
+def test_step_cost_model_interpolates_extrapolates_and_round_trips(tmp_path):
+    costs = StepCostModel([1, 4, 16], [[1.0, 2.0], [4.0, 6.0], [16.0, 20.0]], [0.1, 0.4, 1.6])
+    assert costs.step(2, 0) == pytest.approx(2.0) and costs.step(10, 1) == pytest.approx(13.0)
+    assert costs.step(32, 0) == pytest.approx(32.0) and costs.draft(8) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="width"):
+        costs.step(4, 2)
+    costs.save(tmp_path / "costs.json")
+    assert StepCostModel.load(tmp_path / "costs.json") == costs
+    assert StepCostModel.from_value(str(tmp_path / "costs.json")) == costs
+    (tmp_path / "bad.json").write_text("{\"batch_sizes\": [1]}")
+    with pytest.raises(ValueError, match="step-cost file"):
+        StepCostModel.load(tmp_path / "bad.json")
+
+
+def test_cached_step_costs_measure_once_per_description_and_again_for_larger_batches():
+    calls = []
+
+    def measure(sizes, width):
+        calls.append((sizes, width))
+        return StepCostModel(sizes, [[float(b) * (1 + w) for w in range(width + 1)] for b in sizes],
+                             [0.0] * len(sizes))
+
+    description = {"model": "test", "seed": 17}
+    first = cached_step_costs(description, 6, 3, measure)
+    again = cached_step_costs(description, 8, 2, measure)
+    assert first == again and calls == [([1, 2, 4, 8], 3)]
+    cached_step_costs(description, 100, 3, measure)
+    assert calls[-1] == ([1, 2, 4, 8, 16, 32, 64, 128], 3)
+    step_costs_path(description).write_text("not json")
+    cached_step_costs(description, 2, 1, measure)  # an unreadable cache file is measured anew
+    assert len(calls) == 3
+
+
+def test_profile_times_every_width_and_drafting():
+    import time
+
+    costs = profile_step_costs(lambda b, w: time.sleep(0.002 * (w + 1)), lambda b: time.sleep(0.001), [1, 2], 2,
+                               repeats=2)
+    for row in costs.step_seconds:
+        assert row[0] < row[1] < row[2]
+    assert all(0.0005 < seconds < 0.05 for seconds in costs.draft_seconds)
+
+
+def test_measured_step_costs_of_a_real_target():
+    """The engine's own measurement on a tiny target: every width and batch size timed, all positive."""
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), [1, 4], 3)
+    assert len(costs.step_seconds) == 2 and all(len(row) == 4 and min(row) > 0 for row in costs.step_seconds)
+    assert min(costs.draft_seconds) > 0

@@ -2,7 +2,10 @@
 
 A proposer is called once after every target forward (the prompt's prefill, then each verification step) with what
 that forward produced, and returns draft logits `[B, k, V]` for the k tokens that follow each row's newly committed
-token. The engine turns them into draft tokens (argmax or sampling, after logits processing).
+token. The engine turns them into draft tokens (argmax or sampling, after logits processing). With `draft=False`
+(the goodput scheduler expects no drafts to pay, `scheduling.py`) it only keeps its state up to date and returns
+None, or free drafts only (prompt lookup). After each call `sources` `[B, k]` says where each draft came from
+(`acceptance.DRAFTER`, `LOOKUP`, `NO_DRAFT`).
 
 - `SpecFormerProposer`: the SpecFormer drafter, fused with verification (paper: one forward per step). It reads the
   target's hooked hidden states of the forward's T inputs, appends them to its own context-attention cache, and runs
@@ -23,6 +26,7 @@ from abc import ABC, abstractmethod
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from .acceptance import DRAFTER, LOOKUP, NO_DRAFT
 from .batch import RaggedBatch
 
 
@@ -32,9 +36,11 @@ class Proposer(ABC):
     Attributes:
         num_draft_tokens: k, drafts per row and step.
         requires_hidden_states: whether the target forward must return `hidden_states` for `propose`.
+        sources: `[B, k]` where the last proposal's drafts came from (None: all from the proposer's network).
     """
 
     requires_hidden_states: bool = False
+    sources: torch.LongTensor | None = None
 
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = num_draft_tokens
@@ -50,6 +56,14 @@ class Proposer(ABC):
         """Networks the proposer runs (the engine speeds up their few-row linear layers on the CPU)."""
         return []
 
+    def profile_draft(self, batch_size: int) -> None:
+        """Runs the drafting work of one step for `batch_size` rows on made-up inputs, changing no state (the
+        step-cost model times it). Proposers that cost nothing do nothing."""
+
+    def cost_description(self) -> dict:
+        """What determines the drafting cost (part of the key of cached step costs)."""
+        return {"proposer": type(self).__name__, "num_draft_tokens": self.num_draft_tokens}
+
     @abstractmethod
     def propose(
         self,
@@ -57,14 +71,16 @@ class Proposer(ABC):
         hidden_states: tuple[torch.Tensor, ...] | None,
         position_ids: torch.LongTensor,
         source_index: torch.LongTensor,
-    ) -> torch.Tensor:
-        """Draft logits `[B, k, V]` after a target forward of T inputs per row.
+        draft: bool = True,
+    ) -> torch.Tensor | None:
+        """Draft logits `[B, k, V]` after a target forward of T inputs per row (None: no drafts).
 
         Args:
             batch: state *after* the forward's commit (`batch.attention_mask` is `[B, S + T]`, rejected inputs hidden).
             hidden_states: the target's `output_hidden_states` (L + 1 tensors `[B, T, d]`), or None if not required.
             position_ids: `[B, T]` positions of the T inputs.
             source_index: `[B]` index in 0..T-1 of each row's last accepted input.
+            draft: False when the next step is not expected to verify drafts: skip what only drafting needs.
         """
 
 
@@ -81,6 +97,7 @@ class SpecFormerProposer(Proposer):
                 f"draft_length={drafter.config.draft_length}."
             )
         self.drafter = drafter
+        self.vocab_size = drafter.config.vocab_size
         self.cache = DynamicCache()
 
     def start(self) -> None:
@@ -92,18 +109,35 @@ class SpecFormerProposer(Proposer):
     def modules(self) -> list[torch.nn.Module]:
         return [self.drafter, self.drafter.draft_head()]
 
-    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
+    def cost_description(self) -> dict:
+        return {**super().cost_description(), "drafter": self.drafter.config.to_diff_dict(),
+                "dtype": str(self.drafter.dtype)}
+
+    def profile_draft(self, batch_size: int) -> None:
+        """One drafting forward (a single new position per row, no cache) and the softmax of its drafts."""
+        config = self.drafter.config
+        device = self.drafter.device
+        hooked = torch.randn(batch_size, 1, len(config.hook_layers), config.hidden_size, device=device)
+        output = self.drafter(
+            hooked, position_ids=torch.zeros(batch_size, 1, dtype=torch.long, device=device), use_cache=False,
+            num_draft_tokens=self.num_draft_tokens,
+            next_token_ids=torch.zeros(batch_size, 1, dtype=torch.long, device=device),
+        )
+        output.logits.float().softmax(-1)
+
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
         hooked = self.drafter.select_hooked_states(hidden_states)
+        draft_positions = source_index[:, None] if draft else source_index[:, None][:, :0]
         output = self.drafter(
             hooked,
             position_ids=position_ids,
             attention_mask=batch.attention_mask,
             past_key_values=self.cache,
-            draft_positions=source_index[:, None],
+            draft_positions=draft_positions,
             num_draft_tokens=self.num_draft_tokens,
             next_token_ids=batch.next_tokens(source_index, position_ids.shape[1]),
         )
-        return output.logits[:, 0]  # [B, k, V]
+        return output.logits[:, 0] if draft else None  # [B, k, V]
 
 
 LOOKUP_LOGIT_GAP = 1e4
@@ -161,6 +195,7 @@ class PromptLookupProposer(Proposer):
         self.proposer = proposer
         self.max_ngram_size = max_ngram_size
         self.requires_hidden_states = proposer.requires_hidden_states
+        self.vocab_size = proposer.vocab_size
 
     def start(self) -> None:
         self.proposer.start()
@@ -171,14 +206,26 @@ class PromptLookupProposer(Proposer):
     def modules(self) -> list[torch.nn.Module]:
         return self.proposer.modules()
 
-    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
-        logits = self.proposer.propose(batch, hidden_states, position_ids, source_index)  # [B, k, V]
+    def profile_draft(self, batch_size: int) -> None:
+        self.proposer.profile_draft(batch_size)
+
+    def cost_description(self) -> dict:
+        return self.proposer.cost_description()
+
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
+        """The wrapped proposer's drafts (when `draft`) with lookup matches in their place; without `draft`, the
+        lookup matches alone (None if there are none)."""
+        logits = self.proposer.propose(batch, hidden_states, position_ids, source_index, draft)  # [B, k, V] or None
         drafts, found = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
         self.stats.looked_up += int(found.sum())
+        self.sources = torch.where(found, LOOKUP, DRAFTER if logits is not None else NO_DRAFT)
         if not found.any():
             return logits
-        one_hot = torch.full_like(logits, -LOOKUP_LOGIT_GAP).scatter_(2, drafts[..., None], 0.0)
-        return torch.where(found[..., None], one_hot, logits)
+        one_hot = torch.full(
+            (*drafts.shape, self.vocab_size), -LOOKUP_LOGIT_GAP, device=drafts.device,
+            dtype=torch.float32 if logits is None else logits.dtype,
+        ).scatter_(2, drafts[..., None], 0.0)
+        return one_hot if logits is None else torch.where(found[..., None], one_hot, logits)
 
 
 class OracleProposer(Proposer):
@@ -195,7 +242,9 @@ class OracleProposer(Proposer):
         self.continuations = torch.cat([continuations, padding], dim=1)
         self.vocab_size = vocab_size
 
-    def propose(self, batch, hidden_states, position_ids, source_index) -> torch.Tensor:
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
+        if not draft:
+            return None
         rows = batch.row_ids
         columns = batch.num_generated[rows, None] + torch.arange(self.num_draft_tokens, device=rows.device)
         columns = columns.clamp(max=self.continuations.shape[1] - 1)

@@ -1,10 +1,13 @@
 """The speculative decoding loop: prefill, then per step feed, verify, commit, draft, retire rows.
 
 Fused as in the SpecFormer paper: each step feeds every active row's last committed token plus its drafts through
-the target in one forward ([B, n + 1] inputs, n <= k: as many drafts as the most confident row verifies,
-`scheduling.py`); the same forward's hidden states feed the proposer, which drafts the next k tokens from each row's
-last accepted position. No acceptance math here (`verification.py`), no ragged bookkeeping (`batch.py`), no drafting
-(`drafting.py`).
+the target in one forward ([B, w + 1] inputs, w <= k chosen by the schedule, `scheduling.py`; w = 0 is a plain
+decoding step); the same forward's hidden states feed the proposer, which drafts the next k tokens from each row's
+last accepted position, or with the goodput schedule only when drafting is expected to pay. Under the goodput
+schedule each step's drafts are scored by an `AcceptanceEstimator` (`acceptance.py`): from the drafter's own
+confidence, or from a companion model's distribution at each drafted position (Speculative Verification), and
+every step's outcomes update its table. No acceptance math here (`verification.py`), no ragged bookkeeping
+(`batch.py`), no drafting (`drafting.py`).
 
 `speculative_decode` has the signature of a `generate` decoding method, so `GenerationMixin.generate` prepares
 inputs, the cache, logits processors and stopping criteria exactly as for plain decoding and then calls it
@@ -21,17 +24,32 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .acceptance import DRAFTER, SIGNALS, AcceptanceEstimator, AcceptanceTable, uniform_edges
 from .attention import GroupedQueryAttention
 from .batch import RaggedBatch
 from .drafting import Proposer
 from .processing import RaggedLogitsProcessor
 from .products import FewRowLinears
-from .scheduling import CONFIDENCE_THRESHOLD, num_drafts_to_verify
+from .scheduling import (
+    CONFIDENCE_THRESHOLD,
+    PROFILE_CONTEXT,
+    FixedSchedule,
+    GoodputSchedule,
+    StepCostModel,
+    cached_step_costs,
+    profile_step_costs,
+)
 from .stats import SpecStats
 from .verification import verify_greedy, verify_sampling
 
 COMPACTION_HOLE_FRACTION = 0.5
 """Default share of cache columns that are holes (rejected drafts, padding) at which the caches are compacted."""
+
+SCHEDULES = ("goodput", "fixed")
+"""`schedule=` values: the goodput scheduler, or every row verifying k drafts (or up to `confidence_threshold`)."""
+
+DEFAULT_NUM_BINS = 10
+"""Bins per signal of an uncalibrated acceptance table."""
 
 @dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
@@ -121,13 +139,126 @@ def _draft(batch: RaggedBatch, processor: RaggedLogitsProcessor, draft_logits: t
     return torch.stack(draft_ids, dim=1), torch.stack(all_scores, dim=1)
 
 
-def _schedule(draft_ids: torch.LongTensor, draft_scores: torch.Tensor, do_sample: bool, threshold: float):
-    """-> draft probabilities q `[B, k, V]` (when sampling) and the drafts each row verifies `[B]` (None: all k)."""
-    draft_probs = draft_scores.softmax(-1) if do_sample or threshold > 0 else None
-    if threshold <= 0:
-        return draft_probs, None
-    confidence = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)  # [B, k]
-    return (draft_probs if do_sample else None), num_drafts_to_verify(confidence, threshold)
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _random_cache(config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> DynamicCache:
+    """A `DynamicCache` of `length` random key/value columns per row in every layer (for timing only)."""
+    config = config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (batch_size, getattr(config, "num_key_value_heads", config.num_attention_heads), length, head_dim)
+    cache = DynamicCache()
+    for layer in range(config.num_hidden_layers):
+        cache.update(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device),
+                     layer)
+    return cache
+
+
+def measure_step_costs(model, proposer: Proposer, batch_sizes: list[int], max_width: int) -> StepCostModel:
+    """Times the loop's target forward of w + 1 inputs per row (w = 0..max_width, with the hidden states the
+    proposer reads and the float32 argmax of its logits) over a cache of `PROFILE_CONTEXT` random columns, and the
+    proposer's drafting, at each batch size. Run it where the loop runs (inside `FewRowLinears` and
+    `GroupedQueryAttention` on the CPU)."""
+    device, vocab = model.device, model.config.get_text_config().vocab_size
+    caches = {}
+
+    def step(batch_size: int, width: int) -> None:
+        if batch_size not in caches:
+            caches.clear()
+            caches[batch_size] = _random_cache(model.config, batch_size, PROFILE_CONTEXT, model.dtype, device)
+        cache = caches[batch_size]
+        ids = torch.randint(vocab, (batch_size, width + 1), device=device)
+        mask = torch.ones(batch_size, PROFILE_CONTEXT + width + 1, dtype=torch.long, device=device)
+        positions = PROFILE_CONTEXT + torch.arange(width + 1, device=device).expand(batch_size, -1)
+        output = target_forward(model, ids, mask, positions, cache, proposer.requires_hidden_states, 0)
+        output.logits.float().argmax(-1)
+        cache.crop(-(width + 1))
+
+    return profile_step_costs(step, proposer.profile_draft, batch_sizes, max_width, lambda: _synchronize(device))
+
+
+def step_cost_description(model, proposer: Proposer) -> dict:
+    """What the step costs depend on: the target's configuration, dtype, device, threads and the proposer."""
+    device = model.device
+    return {
+        "target": model.config.get_text_config().to_diff_dict(),
+        "dtype": str(model.dtype),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "torch": torch.__version__,
+        "attention": model.config._attn_implementation,
+        "proposer": proposer.cost_description(),
+        "context": PROFILE_CONTEXT,
+    }
+
+
+def _make_schedule(model, proposer, batch_size, schedule, confidence_threshold, step_costs):
+    """The schedule object for `schedule` ("goodput" or "fixed"); goodput measures or loads its step costs."""
+    k = proposer.num_draft_tokens
+    if schedule == "fixed":
+        return FixedSchedule(k, confidence_threshold)
+    if step_costs is not None:
+        costs = StepCostModel.from_value(step_costs)
+    else:
+        costs = cached_step_costs(
+            step_cost_description(model, proposer), batch_size, k,
+            lambda sizes, width: measure_step_costs(model, proposer, sizes, width),
+        )
+    return GoodputSchedule(costs, k)
+
+
+def _make_estimator(acceptance_table: dict | AcceptanceTable | None, companion, num_slots: int):
+    """The table given (a saved dict or a table), else an uncalibrated one for the signal available."""
+    if isinstance(acceptance_table, AcceptanceTable):
+        return AcceptanceEstimator(acceptance_table)
+    if acceptance_table is not None:
+        return AcceptanceEstimator(AcceptanceTable.from_dict(acceptance_table))
+    signal = "sv" if companion is not None else "confidence"
+    edges = [uniform_edges(DEFAULT_NUM_BINS)] * SIGNALS[signal]
+    return AcceptanceEstimator(AcceptanceTable(signal, edges, num_slots))
+
+
+def _companion_probs(companion, source_states: torch.Tensor, last_committed, draft_ids) -> torch.Tensor:
+    """P_c `[B, k, V]` at the drafted positions: the companion reads the target's last hidden state at each row's
+    last accepted input `[B, d]` and the chain (committed token, d_1 .. d_{k-1}) `[B, k]`."""
+    chain = torch.cat([last_committed[:, None], draft_ids[:, :-1]], dim=1)
+    return companion(hidden_states=source_states, input_ids=chain).logits.float().softmax(-1)
+
+
+def _source_states(output, index: torch.LongTensor) -> torch.Tensor:
+    """The target's last hidden state `[B, d]` at input `index[b]` of each row."""
+    last = output.hidden_states[-1]
+    return last[torch.arange(last.shape[0], device=last.device), index]
+
+
+def _plan_step(
+    batch, processor, draft_logits, sources, do_sample, plan, estimator, companion, source_states, last_committed,
+    drafted,
+):
+    """This step's drafts and how many of them each row verifies (`drafted`: whether the proposer's network made
+    them, rather than free lookup alone).
+
+    Returns draft ids `[B, k]` (`[B, 0]` without drafts), their processed probabilities `[B, k, V]` (None when
+    neither sampling nor the schedule needs them), drafts verified per row `[B]` and the estimated chance that
+    drafts 1..j are all accepted `[B, k]` (None without an estimator)."""
+    if draft_logits is None:  # nothing drafted: a plain decoding step
+        none = torch.zeros(batch.size, dtype=torch.long, device=last_committed.device)
+        return none[:, None][:, :0], None, none, None
+    draft_ids, draft_scores = _draft(batch, processor, draft_logits, do_sample)
+    needs_probs = do_sample or estimator is not None or getattr(plan, "threshold", 0) > 0
+    draft_probs = draft_scores.softmax(-1) if needs_probs else None
+    if estimator is None:
+        confidence = draft_probs.gather(2, draft_ids[..., None]).squeeze(2) if needs_probs else None
+        return draft_ids, draft_probs, plan.choose(draft_ids, confidence), None
+    if sources is None:
+        sources = torch.full_like(draft_ids, DRAFTER)
+    companion_probs = (
+        _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
+    )
+    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs)
+    return draft_ids, draft_probs, plan.choose(draft_ids, None, predicted, drafted), predicted
 
 
 def _gather_cache_columns(cache: Cache, index: torch.LongTensor) -> None:
@@ -143,15 +274,15 @@ def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
     return [cache, *proposer.caches()]
 
 
-def _retire_rows(batch: RaggedBatch, caches: list[Cache], finished: torch.BoolTensor, draft_logits: torch.Tensor):
-    """Drops finished rows from the batch, the caches and the pending draft logits."""
+def _retire_rows(batch: RaggedBatch, caches: list[Cache], finished: torch.BoolTensor, *per_row):
+    """Drops finished rows from the batch and the caches; returns `per_row` tensors (None stays None) for the rest."""
     if not finished.any():
-        return draft_logits
+        return per_row
     keep = (~finished).nonzero().squeeze(1)
     batch.select_rows(keep)
     for cache in caches:
         cache.batch_select_indices(keep)
-    return draft_logits[keep]
+    return tuple(None if tensor is None else tensor[keep] for tensor in per_row)
 
 
 def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float) -> None:
@@ -188,6 +319,10 @@ def speculative_decode(
     speculative_streamer=None,
     compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
     confidence_threshold: float = CONFIDENCE_THRESHOLD,
+    schedule: str = "goodput",
+    step_costs: StepCostModel | dict | str | None = None,
+    companion=None,
+    acceptance_table: dict | AcceptanceTable | None = None,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -199,8 +334,14 @@ def speculative_decode(
         proposer: where drafts come from (`SpecFormerProposer`, `OracleProposer`, ...).
         speculative_streamer: a streamer (batch size 1 only); the prompt is put first.
         compaction_hole_fraction: compact the caches when holes reach this share of their columns (> 1: never).
-        confidence_threshold: a row verifies its drafts while their cumulative probability is at least this
-            (`scheduling.py`; 0: all k).
+        confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative probability
+            is at least this (`scheduling.py`; 0: all k).
+        schedule: "goodput" (the goodput scheduler) or "fixed".
+        step_costs: the goodput scheduler's `StepCostModel` (or its dict, or a saved file); default: measured on
+            this machine once per model, dtype, device and drafter, and cached on disk (`scheduling.py`).
+        companion: a bound `CompanionForVerification` (or any module called as `companion(hidden_states=[B, d],
+            input_ids=[B, k])` returning `.logits` `[B, k, V]`): the goodput scheduler's signal becomes SV's (S, A).
+        acceptance_table: the estimator's calibrated table (`AcceptanceTable` or its dict); default uncalibrated.
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
@@ -208,17 +349,27 @@ def speculative_decode(
     """
     if proposer is None:
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
-    linears = FewRowLinears([model, *proposer.modules()], head=model.get_output_embeddings())
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}.")
+    if schedule == "goodput" and confidence_threshold > 0:
+        raise ValueError("confidence_threshold applies to schedule='fixed'; the goodput scheduler sets its own.")
+    if companion is not None and schedule != "goodput":
+        raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
+    modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
+    linears = FewRowLinears(modules, head=model.get_output_embeddings())
     with linears, GroupedQueryAttention(model):
+        plan = _make_schedule(model, proposer, input_ids.shape[0], schedule, confidence_threshold, step_costs)
+        estimator = _make_estimator(acceptance_table, companion, proposer.num_draft_tokens) \
+            if schedule == "goodput" else None
         return _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-            speculative_streamer, compaction_hole_fraction, confidence_threshold, model_kwargs,
+            speculative_streamer, compaction_hole_fraction, plan, estimator, companion, model_kwargs,
         )
 
 
 def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-    compaction_hole_fraction, confidence_threshold, model_kwargs,
+    compaction_hole_fraction, plan, estimator, companion, model_kwargs,
 ):
     """The body of `speculative_decode`: prefill, then verification steps until every row has finished."""
     cache = model_kwargs.get("past_key_values")
@@ -226,6 +377,7 @@ def _decode(
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
     do_sample = bool(generation_config.do_sample)
     k = proposer.num_draft_tokens
+    needs_hidden_states = proposer.requires_hidden_states or companion is not None
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     batch = RaggedBatch.start(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens + k + 1, _pad_token_id(generation_config)
@@ -241,38 +393,51 @@ def _decode(
     # Prefill: the prompt through the target; its last position gives the first token, the proposer the first drafts.
     position_ids = batch.prompt_position_ids()
     output = target_forward(
-        model, input_ids, batch.attention_mask, position_ids, cache, proposer.requires_hidden_states, logits_to_keep=1
+        model, input_ids, batch.attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=1
     )
     batch.commit_prompt()
     first = _select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
     finished = commit(batch, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
-    draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index)
-    draft_logits = _retire_rows(batch, caches, finished, draft_logits)
+    drafting = plan.should_draft(int((~finished).sum()))
+    draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
+    source_states = _source_states(output, source_index) if companion is not None else None
+    draft_logits, sources, source_states = _retire_rows(
+        batch, caches, finished, draft_logits, proposer.sources, source_states
+    )
 
     while batch.size > 0:
-        draft_ids, draft_scores = _draft(batch, processor, draft_logits, do_sample)
-        draft_probs, num_drafts = _schedule(draft_ids, draft_scores, do_sample, confidence_threshold)
-        width = k if num_drafts is None else int(num_drafts.max())  # drafts fed per row this step
-        draft_ids = draft_ids[:, :width]
+        stats.drafting_steps += drafting
         last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
+        draft_ids, draft_probs, num_drafts, predicted = _plan_step(
+            batch, processor, draft_logits, sources, do_sample, plan, estimator, companion, source_states,
+            last_committed, drafting,
+        )
+        width = int(num_drafts.max())  # drafts fed per row this step
+        draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
         attention_mask, position_ids = batch.step_inputs(width + 1)
         output = target_forward(
-            model, step_ids, attention_mask, position_ids, cache, proposer.requires_hidden_states, logits_to_keep=0
+            model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
         )
         target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
         if do_sample:
-            tokens, num_accepted = verify_sampling(
-                draft_ids, draft_probs[:, :width], target_scores.softmax(-1), num_drafts
-            )
+            target_probs = target_scores.softmax(-1)
+            verified_probs = target_probs[:, :0] if draft_probs is None else draft_probs[:, :width]
+            tokens, num_accepted = verify_sampling(draft_ids, verified_probs, target_probs, num_drafts)
         else:
             tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts)
-        stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts if num_drafts is not None else width)
+        if estimator is not None and predicted is not None:
+            estimator.observe(num_accepted, num_drafts)
+        stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted)
         batch.commit_cache(num_accepted + 1, width + 1)
         finished = commit(batch, tokens, num_accepted + 1)
-        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted)
-        draft_logits = _retire_rows(batch, caches, finished, draft_logits)
+        drafting = plan.should_draft(int((~finished).sum()))
+        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted, draft=drafting)
+        source_states = _source_states(output, num_accepted) if companion is not None else None
+        draft_logits, sources, source_states = _retire_rows(
+            batch, caches, finished, draft_logits, proposer.sources, source_states
+        )
         _maybe_compact(batch, caches, compaction_hole_fraction)
 
     if speculative_streamer is not None:

@@ -1,33 +1,62 @@
-"""How many of each row's k drafts a verification step checks: the drafts' cumulative probability against a threshold.
+"""How many drafts each row verifies per step: a fixed k, a confidence threshold, or the goodput scheduler.
 
-Every verified draft costs a row of the target forward, accepted or not, and a drafter's later slots are rarely
-right (the shipped SmolLM2 drafter on MT-bench at k = 4: acceptance 0.33, 0.08, 0.02, 0.00), while a prompt-lookup
-match, when there is one, often runs for many tokens. With a threshold t > 0 a row verifies its drafts 1..n, where n
-is the last position j whose cumulative draft probability q_1(d_1) * ... * q_j(d_j) is at least t, and never fewer
-than one. That product is the drafter's own estimate of the chance that drafts 1..j are all accepted; a looked-up
-draft has probability 1, so a lookup match is verified as far as it goes. (Speculative Verification calibrates
-such signals against a companion model; here the drafter's own probability is the signal.) The step's forward is
-as wide as its longest row (1 + max n); a shorter row's further drafts are fed but not verified
-(`verification.py`), so a batch pays for its most confident row.
+Every verified draft is a row of the target forward, accepted or not. Three schedules:
 
-Measured on the CPU testbed (SmolLM2 fp32, 2 threads, B = 1, shipped drafter with prompt lookup, 8 MT-bench prompts
-one per category, 128 new tokens, plain `generate` interleaved with each setting; speedup, kappa, drafts verified per
-step), in three runs:
-    k = 4: t = 0: 1.18x / 1.14x (kappa 1.84, 4.00 drafts);  t = 0.1: 1.24x / 1.26x (1.81, 2.09);
-           t = 0.3: 1.29x / 1.31x (1.78, 1.82);  t = 0.03: 1.23x (1.82, 2.55)
-    k = 6, t = 0.3: 1.25x (1.88, 2.25);  k = 8, t = 0.1: 1.15x (2.01, 2.91)
-    k = 3: t = 0: 1.31x (1.77, 3.00);  t = 0.3: 1.29x (1.71, 1.59)
-A threshold pays when k is past what the hardware verifies cheaply. On this CPU a forward of 4 inputs costs what
-one of 1 or 2 does and 3 or 5 inputs cost more (`products.py`), so k = 3 without a threshold does as well as any
-setting, and `CONFIDENCE_THRESHOLD` is 0: verify all k unless asked.
+- `FixedSchedule` (threshold 0): every row verifies all k drafts.
+- `FixedSchedule` (threshold t > 0): a row verifies its drafts 1..n, n the last position whose cumulative draft
+  probability q_1(d_1) ... q_j(d_j) is at least t (at least one; looked-up drafts count as certain). Measured at
+  B = 1 on the CPU testbed (SmolLM2, k = 4): t = 0.3 took 1.14x to 1.31x, as fast as k = 3 with every draft verified.
+- `GoodputSchedule` (Speculative Verification, arXiv 2509.24328, section 5; vLLM's adaptive verification): from the
+  estimated chance q_{b,j} that drafts 1..j of row b are all accepted (`acceptance.py`), pick the step that maximises
+  expected committed tokens per second under a step-cost model t(B, w) measured on the running machine
+  (`StepCostModel`). Width w = 0 is a plain decoding step, so speculation never costs more than it returns (up to the
+  accuracy of the estimates and the cost model).
+
+Choices where the paper is silent or does not fit this engine:
+- Expected committed tokens are B + sum_b sum_{j <= w_b} q_{b,j}: the paper's goodput counts accepted drafts only,
+  which cannot compare a speculative step with a plain one (every row commits one token either way).
+- The engine's verification forward is padded: every row feeds w + 1 inputs, and the cost depends on (B, w) only.
+  The paper's batch greedy (add the (row, position) of largest gain while goodput rises) then reduces to choosing
+  w: once a row's position j <= w is paid for, verifying it is free. So w* = argmax_w (B + sum_b sum_{j<=w}
+  q_{b,j}) / t(B, w), the exact optimum, and each row verifies its drafts up to w* (fewer where it has fewer).
+- Drafting itself costs (SpecFormer's slot stage and head, t_d(B)). The drafts of the next step are made before
+  their estimates are known, so `should_draft` predicts: it keeps a running mean E_w of expected accepted drafts
+  per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t(B, 0). Otherwise the
+  drafter only extends its context cache (`Proposer.propose(..., draft=False)`); prompt lookup still proposes,
+  at no cost. Every `PROBE_INTERVAL` steps without drafting it drafts once, so E_w follows the text.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
 import torch
 
 CONFIDENCE_THRESHOLD = 0.0
-"""Default threshold on a row's cumulative draft probability (0: every row verifies all k drafts)."""
+"""Default threshold on a row's cumulative draft probability for `FixedSchedule` (0: every row verifies all k)."""
+
+PROBE_INTERVAL = 8
+"""Steps without drafting after which `GoodputSchedule.should_draft` drafts once to refresh its estimates."""
+
+EXPECTED_TOKENS_DECAY = 0.8
+"""Weight of the past in the running mean E_w of expected accepted drafts per row."""
+
+PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Batch sizes the step costs are measured at (up to the first one at least the batch size asked for)."""
+
+PROFILE_CONTEXT = 256
+"""Cache length (tokens per row) over which steps are timed: a prompt plus part of an answer."""
+
+STEP_COSTS_ENV = "HF_SPECFORMER_CACHE"
+"""Environment variable for the folder where measured step costs are kept (default ~/.cache/hf_specformer)."""
 
 
 def num_drafts_to_verify(draft_confidence: torch.Tensor, threshold: float) -> torch.LongTensor:
@@ -35,3 +64,215 @@ def num_drafts_to_verify(draft_confidence: torch.Tensor, threshold: float) -> to
     longest prefix whose cumulative probability is at least `threshold`, at least 1."""
     kept = draft_confidence.double().cumprod(dim=1) >= threshold
     return kept.sum(dim=1).clamp(min=1)
+
+
+# ----- step costs -----------------------------------------------------------------------------------------------
+@dataclass
+class StepCostModel:
+    """t(B, w), seconds of one verification step of w drafts per row (w + 1 inputs; w = 0 is a plain step), and
+    t_d(B), seconds of drafting for B rows, measured at `batch_sizes` and interpolated linearly in B (extrapolated
+    from the last two sizes beyond the largest).
+
+    Attributes:
+        batch_sizes: measured batch sizes, increasing.
+        step_seconds: `[len(batch_sizes)][max_width + 1]` t(B, w).
+        draft_seconds: `[len(batch_sizes)]` t_d(B).
+        description: what was measured (model, dtype, device, threads), for people reading the cache file.
+    """
+
+    batch_sizes: list[int]
+    step_seconds: list[list[float]]
+    draft_seconds: list[float]
+    description: dict = field(default_factory=dict)
+
+    @property
+    def max_width(self) -> int:
+        return len(self.step_seconds[0]) - 1
+
+    def covers(self, batch_size: int, max_width: int) -> bool:
+        """Whether `batch_size` lies within the measured sizes and every width up to `max_width` was measured."""
+        return batch_size <= self.batch_sizes[-1] and max_width <= self.max_width
+
+    def _interpolate(self, values: list[float], batch_size: int) -> float:
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            return values[0] * batch_size / sizes[0]
+        upper = next((i for i, size in enumerate(sizes) if size >= batch_size), len(sizes) - 1)
+        upper = max(upper, 1)
+        low, high = sizes[upper - 1], sizes[upper]
+        weight = (batch_size - low) / (high - low)
+        return max(values[upper - 1] + weight * (values[upper] - values[upper - 1]), 1e-9)
+
+    def step(self, batch_size: int, width: int) -> float:
+        """t(B, w) in seconds."""
+        if not 0 <= width <= self.max_width:
+            raise ValueError(f"width {width} outside the measured 0..{self.max_width}.")
+        return self._interpolate([row[width] for row in self.step_seconds], batch_size)
+
+    def draft(self, batch_size: int) -> float:
+        """t_d(B) in seconds."""
+        return self._interpolate(self.draft_seconds, batch_size)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the model as JSON, atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            json.dump(asdict(self), handle, indent=1)
+        os.replace(handle.name, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "StepCostModel":
+        """Reads a model written by `save`; ValueError for a file that is not one."""
+        try:
+            data = json.loads(Path(path).read_text())
+            model = cls(**data)
+            model.step(1, 0)
+        except (OSError, TypeError, ValueError, KeyError, IndexError) as error:
+            raise ValueError(f"{path} is not a step-cost file written by StepCostModel.save: {error}") from error
+        return model
+
+    @classmethod
+    def from_value(cls, value: "StepCostModel | dict | str | os.PathLike") -> "StepCostModel":
+        """A `StepCostModel`, its `asdict` form, or the path of a saved one."""
+        if isinstance(value, StepCostModel):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        return cls.load(value)
+
+
+def profile_step_costs(
+    step: Callable[[int, int], None],
+    draft: Callable[[int], None],
+    batch_sizes: list[int],
+    max_width: int,
+    synchronize: Callable[[], None] = lambda: None,
+    repeats: int = 3,
+    description: dict | None = None,
+) -> StepCostModel:
+    """Times `step(B, w)` for w = 0..max_width and `draft(B)` at each batch size; medians of `repeats` rounds, widths
+    alternating within a round so drift on a shared machine hits them alike. One untimed round warms up."""
+    step_seconds, draft_seconds = [], []
+    for batch_size in batch_sizes:
+        times: dict[int | str, list[float]] = {w: [] for w in range(max_width + 1)}
+        times["draft"] = []
+        for round_index in range(repeats + 1):
+            for key in times:
+                synchronize()
+                start = time.perf_counter()
+                draft(batch_size) if key == "draft" else step(batch_size, key)
+                synchronize()
+                if round_index:
+                    times[key].append(time.perf_counter() - start)
+        step_seconds.append([statistics.median(times[w]) for w in range(max_width + 1)])
+        draft_seconds.append(statistics.median(times["draft"]))
+    return StepCostModel(list(batch_sizes), step_seconds, draft_seconds, description or {})
+
+
+def profile_batch_sizes(batch_size: int) -> list[int]:
+    """`PROFILE_BATCH_SIZES` up to the first one at least `batch_size` (or twice the largest beyond it)."""
+    sizes = [size for size in PROFILE_BATCH_SIZES if size < batch_size]
+    top = next((size for size in PROFILE_BATCH_SIZES if size >= batch_size), None)
+    return sizes + [top or max(batch_size, 2 * PROFILE_BATCH_SIZES[-1])]
+
+
+def step_costs_path(description: dict, folder: str | os.PathLike | None = None) -> Path:
+    """Where the step costs of `description` are cached: `<folder>/step_costs/<hash>.json`."""
+    folder = folder or os.environ.get(STEP_COSTS_ENV) or Path.home() / ".cache" / "hf_specformer"
+    digest = hashlib.sha1(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(folder) / "step_costs" / f"{digest}.json"
+
+
+def cached_step_costs(
+    description: dict, batch_size: int, max_width: int, measure: Callable[[list[int], int], StepCostModel]
+) -> StepCostModel:
+    """The cached model of `description` if it covers (batch_size, max_width); else `measure(batch_sizes, width)`
+    and cache the result. An unreadable cache file is measured anew and replaced."""
+    path = step_costs_path(description)
+    if path.exists():
+        try:
+            cached = StepCostModel.load(path)
+            if cached.covers(batch_size, max_width):
+                return cached
+        except ValueError:
+            pass
+    costs = measure(profile_batch_sizes(batch_size), max_width)
+    costs.save(path)
+    return costs
+
+
+# ----- schedules ------------------------------------------------------------------------------------------------
+class FixedSchedule:
+    """All k drafts (threshold 0), or the longest prefix of drafts above a cumulative-probability threshold."""
+
+    def __init__(self, num_draft_tokens: int, threshold: float = CONFIDENCE_THRESHOLD):
+        self.num_draft_tokens = num_draft_tokens
+        self.threshold = threshold
+
+    def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative=None,
+               drafted: bool = True) -> torch.LongTensor:
+        """draft_ids `[B, k]`, confidence `[B, k]` (q_j(d_j); needed with a threshold) -> drafts each row verifies
+        `[B]`."""
+        if self.threshold <= 0:
+            return torch.full(draft_ids.shape[:1], draft_ids.shape[1], dtype=torch.long, device=draft_ids.device)
+        return num_drafts_to_verify(confidence, self.threshold)
+
+    def should_draft(self, batch_size: int) -> bool:
+        return True
+
+
+class GoodputSchedule:
+    """Speculative Verification's goodput scheduler over a padded forward (see the module docstring).
+
+    Args:
+        costs: the step-cost model of this target, dtype, device and drafter.
+        num_draft_tokens: k, the widest step.
+        probe_interval: steps without drafting after which it drafts once.
+    """
+
+    def __init__(self, costs: StepCostModel, num_draft_tokens: int, probe_interval: int = PROBE_INTERVAL):
+        if not costs.covers(1, num_draft_tokens):
+            raise ValueError(f"The step costs measure widths up to {costs.max_width}, not k = {num_draft_tokens}.")
+        self.costs = costs
+        self.num_draft_tokens = num_draft_tokens
+        self.probe_interval = probe_interval
+        self.expected: torch.Tensor | None = None  # [k + 1] E_w, expected accepted drafts per row at width w
+        self.steps_without_drafting = 0
+
+    def step_seconds(self, batch_size: int) -> torch.Tensor:
+        """`[k + 1]` t(B, w) for w = 0..k."""
+        return torch.tensor([self.costs.step(batch_size, w) for w in range(self.num_draft_tokens + 1)],
+                            dtype=torch.float64)
+
+    def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative: torch.Tensor,
+               drafted: bool = True) -> torch.LongTensor:
+        """cumulative `[B, k]` (q_{b,j}, 0 where a row has no draft) -> drafts each row verifies `[B]` (0..k).
+        Steps whose drafts came from the drafter (`drafted`) update the running mean E_w that `should_draft`
+        reads; lookup-only steps do not (they say nothing of what drafting would bring)."""
+        batch_size = cumulative.shape[0]
+        per_row = torch.cat([cumulative.new_zeros(batch_size, 1), cumulative.cumsum(1)], dim=1).double().cpu()
+        gain = per_row.sum(0)  # [k + 1] expected accepted drafts of the batch at width w
+        width = int(((batch_size + gain) / self.step_seconds(batch_size)).argmax())
+        if drafted:
+            self._remember(gain / batch_size)
+        has_draft = cumulative[:, :width] > 0
+        return has_draft.sum(1)
+
+    def _remember(self, expected_per_row: torch.Tensor) -> None:
+        if self.expected is None:
+            self.expected = expected_per_row
+        else:
+            self.expected = EXPECTED_TOKENS_DECAY * self.expected + (1 - EXPECTED_TOKENS_DECAY) * expected_per_row
+
+    def should_draft(self, batch_size: int) -> bool:
+        """Whether drafting for the next step is expected to pay (or a probe is due)."""
+        if self.expected is None or batch_size == 0:
+            return True
+        seconds = self.step_seconds(batch_size)
+        with_drafts = (batch_size * (1 + self.expected) / (seconds + self.costs.draft(batch_size))).max()
+        if with_drafts > batch_size / seconds[0] or self.steps_without_drafting >= self.probe_interval:
+            self.steps_without_drafting = 0
+            return True
+        self.steps_without_drafting += 1
+        return False

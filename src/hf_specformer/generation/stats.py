@@ -26,6 +26,10 @@ class SpecStats:
         accepted_at: `[k]` how often drafted position j (0-based) was accepted.
         tokens_per_row_step: `[B0]` per original row, committed tokens per step (kappa of that row).
         looked_up: drafts proposed by prompt lookup (`PromptLookupProposer`) rather than the drafter.
+        width_counts: `[k + 1]` how many steps verified at most w drafts per row (w = 0: a plain decoding step).
+        predicted_accepted: the scheduler's expected accepted drafts, summed over the drafts it verified (with
+            `accepted` it gives predicted vs realised acceptance; 0 for schedules that estimate nothing).
+        drafting_steps: steps whose drafts came from running the drafter (the rest skipped its slot stage).
     """
 
     num_draft_tokens: int
@@ -35,18 +39,23 @@ class SpecStats:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)
     looked_up: int = 0
+    width_counts: list[int] = field(default_factory=list)
+    predicted_accepted: float = 0.0
+    drafting_steps: int = 0
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
 
     def __post_init__(self):
         self.accepted_at = [0] * self.num_draft_tokens
+        self.width_counts = [0] * (self.num_draft_tokens + 1)
 
     def record(
         self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int,
-        num_drafts: torch.LongTensor | int,
+        num_drafts: torch.LongTensor | int, predicted: torch.Tensor | None = None,
     ) -> None:
         """One verification step: active row `row_ids[b]` verified `num_drafts[b]` drafts (or `num_drafts` each) and
-        accepted `num_accepted[b]` of them."""
+        accepted `num_accepted[b]` of them; `predicted` `[B, k]` is the estimated chance that drafts 1..j are all
+        accepted (None: not estimated)."""
         if self._row_steps is None:
             self._row_steps = torch.zeros(batch_size, dtype=torch.long)
             self._row_accepted = torch.zeros(batch_size, dtype=torch.long)
@@ -56,6 +65,11 @@ class SpecStats:
         self.row_steps += rows.numel()
         self.drafted += int(num_drafts.sum()) if isinstance(num_drafts, torch.Tensor) else rows.numel() * num_drafts
         self.accepted += int(num_accepted.sum())
+        width = int(num_drafts.max()) if isinstance(num_drafts, torch.Tensor) and num_drafts.numel() else num_drafts
+        self.width_counts[int(width)] += 1
+        if predicted is not None and isinstance(num_drafts, torch.Tensor):
+            verified = torch.arange(predicted.shape[1], device=predicted.device)[None, :] < num_drafts[:, None]
+            self.predicted_accepted += float((predicted * verified).sum())
         counts = torch.bincount(num_accepted, minlength=self.num_draft_tokens + 1)
         at_least = counts.flip(0).cumsum(0).flip(0)  # at_least[j] = rows that accepted >= j drafts
         for j in range(self.num_draft_tokens):
@@ -77,6 +91,16 @@ class SpecStats:
     def drafts_per_step(self) -> float:
         """Drafts verified per row-step (k without a confidence threshold)."""
         return self.drafted / max(self.row_steps, 1)
+
+    @property
+    def predicted_acceptance_rate(self) -> float:
+        """The scheduler's expected accepted drafts / drafted tokens (compare with `acceptance_rate`)."""
+        return self.predicted_accepted / max(self.drafted, 1)
+
+    @property
+    def mean_width(self) -> float:
+        """Mean over steps of the widest row's verified drafts."""
+        return sum(w * n for w, n in enumerate(self.width_counts)) / max(self.steps, 1)
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -104,4 +128,8 @@ class SpecStats:
             "acceptance_by_position": self.acceptance_by_position,
             "tokens_per_row_step": self.tokens_per_row_step,
             "looked_up": self.looked_up,
+            "width_counts": self.width_counts,
+            "mean_width": self.mean_width,
+            "predicted_acceptance_rate": self.predicted_acceptance_rate,
+            "drafting_steps": self.drafting_steps,
         }

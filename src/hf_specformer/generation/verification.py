@@ -67,7 +67,7 @@ def verify_sampling(
     """Speculative sampling for a batch of chains.
 
     Args:
-        draft_ids: `[B, k]` drafted tokens (sampled from `draft_probs`).
+        draft_ids: `[B, k]` drafted tokens (sampled from `draft_probs`; k = 0 is a plain sampling step).
         draft_probs: `[B, k, V]` q, the processed draft distributions the drafts were sampled from.
         target_probs: `[B, k + 1, V]` p, the processed target distributions at the k drafted positions and after.
         num_drafts: `[B]` drafts verified per row (None: all k).
@@ -85,7 +85,7 @@ def verify_sampling(
     # The distribution of the last committed token: residual at the first rejection, p after the verified drafts.
     rows = torch.arange(batch, device=draft_ids.device)
     p_last = target_probs[rows, num_accepted]  # [B, V]
-    q_last = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, num_accepted]
+    q_last = torch.cat([draft_probs, p_last.new_zeros(batch, 1, p_last.shape[-1])], dim=1)[rows, num_accepted]
     q_last = q_last * torch.cat([verified, verified.new_zeros(batch, 1)], dim=1)[rows, num_accepted, None]
     residual = (p_last - q_last).clamp(min=0)
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q exactly: rejection impossible, keep p

@@ -46,6 +46,9 @@ class SpecFormerConfig(PreTrainedConfig):
             EAGLE does. At drafting time x_{t+1} is the correction/bonus token the target has just committed, so
             slot 1 no longer guesses x_{t+2} blind to x_{t+1}. Costs one embedding lookup and one d x d matrix per
             position; the projection starts at zero, so a drafter trained without it can be fine-tuned with it.
+        acceptance_table (`dict`, *optional*): the calibrated table mapping the drafter's confidence in each draft
+            (per slot) to P(accept), written by `hf-specformer calibrate`; the goodput scheduler starts from it
+            (without it, from P = confidence).
         attention_dropout (`float`): dropout on attention probabilities during training.
         initializer_range (`float`): std of the normal init of linear weights.
     """
@@ -71,6 +74,7 @@ class SpecFormerConfig(PreTrainedConfig):
     target_name_or_path: str | None = None
     draft_vocab_size: int | None = None
     next_token_input: bool = False
+    acceptance_table: dict | None = None
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
 

@@ -470,6 +470,7 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
                 drafts already in the cache (S = cache length). Default: all ones.
             past_key_values (`Cache`, *optional*): the context attention's cache; created when `use_cache`.
             draft_positions (`[B, P]`, *optional*): indices in 0..T-1 where to draft; default: the last one (P = 1).
+                With P = 0 only the context stage runs (its cache grows) and `logits`/`slot_hidden_states` are None.
             num_draft_tokens (`int`, *optional*): k <= l_d; default `config.num_speculative_tokens`.
             return_logits: compute logits (needs `bind_target`); with False only `slot_hidden_states` are returned.
             next_token_ids (`[B, T]`, *optional*): x_{t+1} for each new position t: the token that follows it (for
@@ -496,6 +497,8 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         context_states = self.context_block(
             hooked_states, position_embeddings, mask, past_key_values, next_token_embeds
         )  # [B, T, d]
+        if draft_positions.shape[1] == 0:  # context only: the cache grows, nothing is drafted
+            return SpecFormerOutput(logits=None, slot_hidden_states=None, past_key_values=past_key_values)
         index = draft_positions[..., None].expand(-1, -1, context_states.shape[-1])
         slot_states = self.slot_block(torch.gather(context_states, 1, index), num_draft_tokens)  # [B, P, k, d]
         logits = self.draft_logits(slot_states) if return_logits else None

@@ -13,11 +13,19 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         down to 2) occurred earlier in the row, the tokens that followed them are the drafts. 0 turns it off.
     compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the
         columns (default 0.5; above 1 never).
-    confidence_threshold: a row verifies its drafts while their cumulative draft probability is at least this
-        (default `CONFIDENCE_THRESHOLD`; looked-up drafts count as certain; 0 verifies all k). See `scheduling.py`.
+    schedule: "goodput" (default: Speculative Verification's goodput scheduler picks each step's width, 0 included,
+        against step costs measured on this machine) or "fixed" (every row verifies k drafts). See `scheduling.py`.
+    companion_model: a `CompanionForVerification` (bound to `model` here if it is not yet): the goodput scheduler
+        then estimates acceptance from SV's (S, A) signals through the companion's calibrated table; without one
+        it uses the drafter's own confidence (through the drafter's table, when calibrated).
+    step_costs: the goodput scheduler's step costs (`StepCostModel`, its dict, or a saved JSON file); default:
+        measured once per model, dtype, device and drafter and cached under `$HF_SPECFORMER_CACHE`.
+    confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative draft
+        probability is at least this (default 0: all k; looked-up drafts count as certain).
 Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
-(`SpecStats`: steps, tokens per step per row, acceptance per drafted position). After every call the same
-statistics are on the assistant as `assistant_model.speculation_stats`.
+(`SpecStats`: steps, tokens per step per row, acceptance per drafted position, widths chosen, predicted vs
+realised acceptance). After every call the same statistics are on the assistant as
+`assistant_model.speculation_stats`.
 """
 
 from __future__ import annotations
@@ -71,6 +79,30 @@ def _assistant_proposer(model, assistant_model, num_draft_tokens: int | None) ->
     return SpecFormerProposer(assistant_model, num_draft_tokens)
 
 
+def _bind_companion(model, companion_model):
+    """The companion, bound to `model` (checked like a drafter); None stays None."""
+    if companion_model is None:
+        return None
+    if getattr(companion_model.config, "model_type", None) != "sv_companion":
+        raise ValueError(
+            f"`companion_model` must be a CompanionForVerification, got {type(companion_model).__name__}."
+        )
+    if companion_model.is_bound and not companion_model.is_bound_to(model):
+        raise ValueError("This companion is bound to another target model; load a fresh copy for this one.")
+    if not companion_model.is_bound:
+        companion_model.bind_target(model)
+    if companion_model.device != model.device:
+        raise ValueError(f"Companion on {companion_model.device} but target on {model.device}: move them together.")
+    return companion_model
+
+
+def _acceptance_table(assistant_model, companion_model) -> dict | None:
+    """The calibrated table the estimator starts from: the companion's (S, A) table, or the drafter's confidence
+    table; None when the model carries none."""
+    source = companion_model if companion_model is not None else assistant_model
+    return getattr(getattr(source, "config", None), "acceptance_table", None)
+
+
 def _check_arguments(model, inputs, generation_config, streamer, kwargs) -> None:
     """Clear errors for what speculative generation does not do, before any work."""
     config = copy.deepcopy(generation_config or model.generation_config)
@@ -119,6 +151,9 @@ def generate(
     lookup_ngram_size: int = LOOKUP_NGRAM_SIZE,
     compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
     confidence_threshold: float = CONFIDENCE_THRESHOLD,
+    schedule: str | None = None,
+    companion_model=None,
+    step_costs=None,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -126,7 +161,9 @@ def generate(
         raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
     if not 0 <= confidence_threshold <= 1:
         raise ValueError(f"confidence_threshold={confidence_threshold} must be between 0 and 1.")
+    schedule = schedule or ("fixed" if confidence_threshold > 0 else "goodput")
     proposer = _make_proposer(model, assistant_model, num_draft_tokens, lookup_ngram_size)
+    companion = _bind_companion(model, companion_model)
     _check_arguments(model, inputs, generation_config, streamer, kwargs)
     result = GenerationMixin.generate(
         model,
@@ -140,6 +177,10 @@ def generate(
         speculative_streamer=streamer,
         compaction_hole_fraction=compaction_hole_fraction,
         confidence_threshold=confidence_threshold,
+        schedule=schedule,
+        step_costs=step_costs,
+        companion=companion,
+        acceptance_table=_acceptance_table(assistant_model, companion) if schedule == "goodput" else None,
         **kwargs,
     )
     if assistant_model is not proposer:

@@ -1,0 +1,291 @@
+"""Calibrate acceptance estimators on held-out self-distilled data, compare them, and store their tables.
+
+    hf-specformer calibrate --data D --drafter DIR [--companion DIR] [--write] [--output report.json]
+
+Teacher-forced, as verification would see it: for every reply position t of the target's own greedy answers, the
+drafter drafts k tokens greedily at t (with the token after t as its next-token input), and the target's answer
+says which drafts would be accepted (d_j == x_{t+1+j}). A draft's label counts only when every draft before it was
+accepted (`acceptance.py`). Signals per draft: (a) the drafter's confidence q_j(d_j); (b) the top-2 logit margin of
+its draft distribution; (c) Speculative Verification's (S, A) from the companion's distribution over the same chain
+(committed token, then the drafts). Prompt-lookup drafts are not calibrated here; their table is learned online.
+
+The data is split in two halves by sequence: each estimator is fitted on one and scored on the other:
+- AUC: the chance a random accepted draft gets a higher estimate than a random rejected one.
+- Brier score: mean (p - y)^2.
+- information gain I(X; Y) in bits: H(X) with the fit half's base rate minus the held-out log-loss of the estimates,
+  i.e. how many bits per draft the estimator saves over knowing only the base rate (it would be negative for a
+  miscalibrated estimator; unlike a plug-in I(X; bins) it cannot grow by adding bins).
+Estimators: (a) an `AcceptanceTable` on confidence per slot; (b) a logistic p = sigmoid(a_j + b_j * margin) per slot
+(vLLM's acceptance estimator); (c) an `AcceptanceTable` on (S, A) per slot. Cost: seconds per step of what each
+needs beyond the drafter (the companion's forward and the S, A reductions for (c)), timed at B = 32.
+With `--write`, (a)'s table (fitted on all the data) goes into the drafter's `config.json` and (c)'s into the
+companion's, where `generate` finds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModel
+
+from hf_specformer.generation.acceptance import (
+    DRAFTER,
+    AcceptanceTable,
+    confidence_features,
+    sv_features,
+)
+from hf_specformer.targets import DEFAULT_TARGET, load_target
+from hf_specformer.training.train_drafter import load_distilled, next_token_ids, target_hidden_states
+
+logger = logging.getLogger(__name__)
+
+MARGIN_CAP = 30.0
+"""Top-2 margins are capped here (a one-token draft vocabulary has an infinite margin)."""
+
+COST_BATCH_SIZE = 32
+
+
+@torch.no_grad()
+def draft_records(target, drafter, companion, dataset, num_draft_tokens: int, max_length: int = 512,
+                  progress: bool = True) -> dict[str, torch.Tensor]:
+    """Signals and labels of every (reply position, slot) of `dataset`, flattened to `[N, k]` tensors:
+    confidence, margin, S, A (without a companion: NaN), accepted, observed, and `sequence` `[N]`."""
+    k = num_draft_tokens
+    columns: dict[str, list[torch.Tensor]] = {name: [] for name in
+                                              ("confidence", "margin", "S", "A", "accepted", "observed", "sequence")}
+    for index, row in enumerate(tqdm(dataset, desc="calibration data", disable=not progress, leave=False)):
+        ids = torch.tensor(row["input_ids"][:max_length], device=target.device)
+        start = row["prompt_length"] - 1
+        if ids.numel() - start < 3:
+            continue
+        hidden = target_hidden_states(target, ids[None], torch.ones_like(ids)[None])
+        positions = torch.arange(start, ids.numel() - 2, device=ids.device)
+        output = drafter(drafter.select_hooked_states(hidden), draft_positions=positions[None], num_draft_tokens=k,
+                         next_token_ids=next_token_ids(ids[None]), use_cache=False)
+        logits = output.logits[0].float()  # [P, k, V]
+        probs = logits.softmax(-1)
+        drafts = probs.argmax(-1)  # greedy drafts [P, k]
+        top2 = logits.topk(2, dim=-1).values
+        padded = torch.cat([ids, ids.new_full((k + 1,), -1)])
+        truth = padded[positions[:, None] + 2 + torch.arange(k, device=ids.device)]  # [P, k]
+        match = (drafts == truth) & (truth >= 0)
+        previous = torch.cat([torch.ones_like(match[:, :1]), match[:, :-1]], dim=1).cumprod(1).bool()
+        columns["confidence"].append(confidence_features(probs, drafts)[..., 0].cpu())
+        columns["margin"].append((top2[..., 0] - top2[..., 1]).clamp(max=MARGIN_CAP).nan_to_num(MARGIN_CAP).cpu())
+        if companion is not None:
+            chain = torch.cat([ids[positions + 1][:, None], drafts[:, :-1]], dim=1)
+            companion_probs = companion(hidden_states=hidden[-1][0, positions], input_ids=chain).logits.float()
+            signals = sv_features(probs, companion_probs.softmax(-1), drafts).cpu()
+        else:
+            signals = torch.full((*drafts.shape, 2), float("nan"))
+        columns["S"].append(signals[..., 0])
+        columns["A"].append(signals[..., 1])
+        columns["accepted"].append(match.cpu())
+        columns["observed"].append((previous & (truth >= 0)).cpu())
+        columns["sequence"].append(torch.full((positions.numel(),), index))
+    return {name: torch.cat(values) for name, values in columns.items()}
+
+
+def _flat(records: dict, rows: torch.Tensor, features: list[str]):
+    """Observed drafts of `rows`: features `[M, F]`, sources, slots, labels `[M]`."""
+    observed = records["observed"][rows]
+    slots = torch.arange(observed.shape[1]).expand_as(observed)[observed]
+    values = torch.stack([records[name][rows][observed] for name in features], dim=-1)
+    labels = records["accepted"][rows][observed].float()
+    return values, torch.full_like(slots, DRAFTER), slots, labels
+
+
+def fit_logistic(margin: torch.Tensor, slots: torch.LongTensor, labels: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Per-slot (a_j, b_j) `[num_slots, 2]` of p = sigmoid(a_j + b_j * margin), by L-BFGS on the log-loss."""
+    weights = torch.zeros(num_slots, 2, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weights], max_iter=200, line_search_fn="strong_wolfe")
+    margin, labels = margin.double(), labels.double()
+
+    def closure():
+        optimizer.zero_grad()
+        logits = weights[slots, 0] + weights[slots, 1] * margin
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return weights.detach()
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (ties count half), by ranks."""
+    positives = labels.bool()
+    num_pos, num_neg = int(positives.sum()), int((~positives).sum())
+    if num_pos == 0 or num_neg == 0:
+        return float("nan")
+    sorted_scores, order = scores.double().sort()
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    mean_rank = counts.cumsum(0).double() - (counts.double() - 1) / 2  # tied scores share their mean rank
+    ranks = torch.empty(len(scores), dtype=torch.float64)
+    ranks[order] = mean_rank[inverse]
+    return float((ranks[positives].sum() - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg))
+
+
+def binary_entropy_bits(p: torch.Tensor) -> torch.Tensor:
+    p = p.double().clamp(1e-6, 1 - 1e-6)
+    return -(p * torch.log2(p) + (1 - p) * torch.log2(1 - p))
+
+
+def scores(estimates: torch.Tensor, labels: torch.Tensor, base_rate: float) -> dict:
+    """AUC, Brier score and held-out information gain (bits per draft) of `estimates` for binary `labels`."""
+    p = estimates.double().clamp(1e-4, 1 - 1e-4)
+    y = labels.double()
+    log_loss_bits = -(y * torch.log2(p) + (1 - y) * torch.log2(1 - p)).mean()
+    entropy = binary_entropy_bits(torch.tensor(base_rate))
+    return {
+        "auc": auc(estimates, labels),
+        "brier": float(((p - y) ** 2).mean()),
+        "information_gain_bits": float(entropy - log_loss_bits),
+        "entropy_bits": float(entropy),
+    }
+
+
+def compare_estimators(records: dict, num_slots: int, seed: int = 0) -> dict:
+    """Fits (a), (b), (c) on half the sequences and scores them on the other half (see the module docstring)."""
+    sequences = records["sequence"].unique()
+    permutation = sequences[torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed))]
+    fit_ids = permutation[: len(permutation) // 2]
+    fit_rows = torch.isin(records["sequence"], fit_ids)
+    evaluation_rows = ~fit_rows
+    report = {"fit_drafts": int(records["observed"][fit_rows].sum()),
+              "evaluation_drafts": int(records["observed"][evaluation_rows].sum())}
+    conf_fit, sources, slots, labels = _flat(records, fit_rows, ["confidence"])
+    conf_eval, sources_eval, slots_eval, labels_eval = _flat(records, evaluation_rows, ["confidence"])
+    base_rate = float(labels.mean())
+    report["base_rate"] = base_rate
+    report["evaluation_acceptance"] = float(labels_eval.mean())
+
+    table = AcceptanceTable.fit("confidence", conf_fit, sources, slots, labels, num_slots=num_slots)
+    report["confidence_table"] = scores(table.estimate(conf_eval, sources_eval, slots_eval), labels_eval, base_rate)
+    report["raw_confidence"] = scores(conf_eval[:, 0], labels_eval, base_rate)
+
+    margin_fit = _flat(records, fit_rows, ["margin"])[0][:, 0]
+    margin_eval = _flat(records, evaluation_rows, ["margin"])[0][:, 0]
+    weights = fit_logistic(margin_fit, slots, labels, num_slots)
+    logistic = torch.sigmoid(weights[slots_eval, 0] + weights[slots_eval, 1] * margin_eval.double())
+    report["margin_logistic"] = {**scores(logistic, labels_eval, base_rate), "weights": weights.tolist()}
+
+    if not torch.isnan(records["S"]).all():
+        sa_fit = _flat(records, fit_rows, ["S", "A"])[0]
+        sa_eval = _flat(records, evaluation_rows, ["S", "A"])[0]
+        sv_table = AcceptanceTable.fit("sv", sa_fit, sources, slots, labels, num_slots=num_slots)
+        report["sv_table"] = scores(sv_table.estimate(sa_eval, sources_eval, slots_eval), labels_eval, base_rate)
+    return report
+
+
+def fit_tables(records: dict, num_slots: int) -> dict[str, AcceptanceTable]:
+    """(a)'s and, with companion signals, (c)'s tables fitted on all the records."""
+    everything = torch.ones_like(records["sequence"], dtype=torch.bool)
+    confidence, sources, slots, labels = _flat(records, everything, ["confidence"])
+    tables = {"confidence": AcceptanceTable.fit("confidence", confidence, sources, slots, labels, num_slots=num_slots)}
+    if not torch.isnan(records["S"]).all():
+        signals = _flat(records, everything, ["S", "A"])[0]
+        tables["sv"] = AcceptanceTable.fit("sv", signals, sources, slots, labels, num_slots=num_slots)
+    return tables
+
+
+@torch.no_grad()
+def estimator_costs(target, companion, num_draft_tokens: int, repeats: int = 10) -> dict:
+    """Seconds per step at B = `COST_BATCH_SIZE` of each estimator's work beyond drafting: the confidence gather
+    (a), the margin's top-2 (b), and the companion forward plus S and A (c)."""
+    vocab, device = target.config.vocab_size, target.device
+    batch, k = COST_BATCH_SIZE, num_draft_tokens
+    logits = torch.randn(batch, k, vocab, device=device)
+    probs = logits.softmax(-1)
+    drafts = probs.argmax(-1)
+    work = {
+        "confidence_table": lambda: confidence_features(probs, drafts),
+        "margin_logistic": lambda: logits.topk(2, dim=-1),
+    }
+    if companion is not None:
+        states = torch.randn(batch, target.config.hidden_size, device=device, dtype=target.dtype)
+
+        def sv():
+            companion_probs = companion(hidden_states=states, input_ids=drafts).logits.float().softmax(-1)
+            return sv_features(probs, companion_probs, drafts)
+
+        work["sv_table"] = sv
+    costs = {}
+    for name, fn in work.items():
+        fn()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        costs[name] = (time.perf_counter() - start) / repeats
+    return costs
+
+
+def write_table(folder: str | Path, table: AcceptanceTable) -> None:
+    """Stores `table` as `acceptance_table` in `folder/config.json`."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config["acceptance_table"] = table.to_dict()
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def calibrate(args: argparse.Namespace) -> dict:
+    """Runs the calibration described in the module docstring; returns the report."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True, dtype=target.dtype).eval()
+    drafter.bind_target(target)
+    companion = None
+    if args.companion:
+        companion = AutoModel.from_pretrained(args.companion, trust_remote_code=True, dtype=target.dtype).eval()
+        companion.bind_target(target)
+    k = args.num_draft_tokens or drafter.config.num_speculative_tokens
+    dataset = load_distilled(args.data)
+    if args.limit:
+        dataset = dataset.select(range(min(args.limit, len(dataset))))
+    records = draft_records(target, drafter, companion, dataset, k, args.max_length)
+    report = {"data": args.data, "sequences": len(dataset), "num_draft_tokens": k,
+              **compare_estimators(records, k, args.seed),
+              "cost_seconds_per_step_b32": estimator_costs(target, companion, k)}
+    if args.write:
+        tables = fit_tables(records, k)
+        write_table(args.drafter, tables["confidence"])
+        if companion is not None:
+            write_table(args.companion, tables["sv"])
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hf-specformer calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="held-out distilled data (a distill output folder)")
+    parser.add_argument("--drafter", required=True, help="the drafter folder")
+    parser.add_argument("--companion", default=None, help="a companion folder (adds SV's (S, A) estimator)")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--num-draft-tokens", "-k", type=int, default=None, help="default: the drafter's")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N sequences")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fit/evaluation split")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--write", action="store_true", help="store the fitted tables in the model folders")
+    parser.add_argument("--output", default=None, help="report JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    report = calibrate(parse_args(argv))
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Acceptance estimates: binned tables (prior, online counts, fitting, saving), SV's signals, the estimator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_specformer.generation.acceptance import (
+    DRAFTER,
+    LOOKUP,
+    NO_DRAFT,
+    PRIOR_TRIALS,
+    AcceptanceEstimator,
+    AcceptanceTable,
+    observed_outcomes,
+    sv_features,
+    uniform_edges,
+)
+
+
+def test_uncalibrated_table_estimates_the_signal_itself_and_learns_online():
+    table = AcceptanceTable("confidence", [uniform_edges(10)], num_slots=2)
+    features = torch.tensor([[0.05], [0.55], [0.97]])
+    sources, slots = torch.full((3,), DRAFTER), torch.zeros(3, dtype=torch.long)
+    assert table.estimate(features, sources, slots).tolist() == pytest.approx([0.05, 0.55, 0.95])
+    for _ in range(50):  # drafts of confidence 0.97 turn out to be rejected
+        table.add(features[2:], sources[2:], slots[2:], torch.tensor([False]))
+    assert float(table.estimate(features[2:], sources[2:], slots[2:])) < 0.1
+    assert table.estimate(features[2:], sources[2:], slots[2:] + 1).item() == pytest.approx(0.95)  # other slot
+    assert table.estimate(features[2:], torch.tensor([LOOKUP]), slots[2:]).item() == pytest.approx(0.95)
+
+
+def test_fitted_table_matches_rates_per_bin_and_round_trips_as_a_capped_prior():
+    generator = torch.Generator().manual_seed(0)
+    confidence = torch.rand(20_000, 1, generator=generator)
+    accepted = torch.rand(20_000, generator=generator) < confidence[:, 0] ** 2  # calibrated rate: q^2
+    sources, slots = torch.full((20_000,), DRAFTER), torch.zeros(20_000, dtype=torch.long)
+    table = AcceptanceTable.fit("confidence", confidence, sources, slots, accepted, num_bins=10)
+    probe = torch.tensor([[0.15], [0.55], [0.95]])  # bin centres (equal-mass bins of a uniform signal: width 0.1)
+    estimates = table.estimate(probe, sources[:3], slots[:3])
+    assert estimates.tolist() == pytest.approx([q**2 + 0.1**2 / 12 for q in (0.15, 0.55, 0.95)], abs=0.03)
+    loaded = AcceptanceTable.from_dict(table.to_dict())
+    assert torch.allclose(loaded.estimate(probe, sources[:3], slots[:3]), estimates, atol=1e-6)
+    assert float(loaded.prior_trials.max()) == PRIOR_TRIALS  # online counts can move it
+
+
+def test_sv_features_are_overlap_and_capped_ratio():
+    draft = torch.tensor([[[0.7, 0.2, 0.1]], [[0.0, 1.0, 0.0]]])  # [B=2, k=1, V=3]
+    companion = torch.tensor([[[0.35, 0.6, 0.05]], [[0.3, 0.4, 0.3]]])
+    drafts = torch.tensor([[0], [1]])
+    features = sv_features(draft, companion, drafts)
+    assert features[0, 0].tolist() == pytest.approx([0.35 + 0.2 + 0.05, 0.5])
+    assert features[1, 0].tolist() == pytest.approx([0.4, 0.4])
+
+
+def test_observed_outcomes_follow_verification():
+    observed, accepted = observed_outcomes(torch.tensor([0, 2, 3, 1]), torch.tensor([3, 3, 3, 0]), 3)
+    assert observed.tolist() == [[True, False, False], [True, True, True], [True, True, True],
+                                 [False, False, False]]
+    assert accepted.tolist() == [[False, False, False], [True, True, False], [True, True, True],
+                                 [True, False, False]]
+
+
+def test_estimator_gives_cumulative_estimates_zero_without_drafts_and_counts_what_it_observes():
+    estimator = AcceptanceEstimator(AcceptanceTable("confidence", [uniform_edges(10)], num_slots=3))
+    probs = torch.zeros(2, 3, 5)
+    probs[..., 1] = 0.85
+    probs[..., 2] = 0.15
+    drafts = torch.ones(2, 3, dtype=torch.long)
+    sources = torch.tensor([[DRAFTER, DRAFTER, LOOKUP], [DRAFTER, NO_DRAFT, NO_DRAFT]])
+    cumulative = estimator.estimate(probs, drafts, sources)
+    assert cumulative[0].tolist() == pytest.approx([0.85, 0.85**2, 0.85**3])
+    assert cumulative[1].tolist() == pytest.approx([0.85, 0.0, 0.0])
+    estimator.observe(num_accepted=torch.tensor([1, 0]), num_drafts=torch.tensor([3, 1]))
+    assert float(estimator.table.trials.sum()) == 3  # row 0: slots 1 (accepted) and 2 (rejected); row 1: slot 1
+    assert float(estimator.table.accepted.sum()) == 1
