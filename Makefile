@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench shipped-code clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: setup
 
 bench: setup
 	$(BIN)/hf-specformer bench --oracle --untrained --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output bench/smollm2_cpu
+
+# After changing models/ or generation/: rewrite the remote code of the Hub folders shipped in the package.
+shipped-code: setup
+	$(BIN)/python -c "import sys; from hf_specformer.hub.export import refresh_code; [refresh_code(p) for p in sys.argv[1:]]" src/hf_specformer/pretrained/*/
 
 clean:
 	rm -rf $(VENV)

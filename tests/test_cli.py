@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import make_drafter, make_target
@@ -18,7 +19,10 @@ def test_no_command_prints_usage(capsys):
     assert "hf-specformer demo" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["demo", "synthesize", "distill", "train", "bench", "export"])
+@pytest.mark.parametrize(
+    "command",
+    ["demo", "synthesize", "distill", "train", "train-companion", "calibrate", "bench", "export", "export-companion"],
+)
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "--help"])
@@ -33,6 +37,17 @@ def test_bench_needs_a_mode():
     assert config.modes == ["oracle", "d", "d+lookup"] and config.batch_sizes == [1, 4]
     config = config_from_args(build_parser().parse_args(["--oracle", "--drafter", "d", "--lookup", "on"]))
     assert config.modes == ["oracle", "d+lookup"]
+
+
+def test_bench_runs_every_drafter_mode_under_every_schedule():
+    from hf_specformer.bench import run_label, runs
+
+    args = ["--oracle", "--drafter", "d", "--lookup", "on", "--schedules", "fixed", "goodput", "--companion", "c"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert config.schedules == ["fixed", "goodput", "companion"] and config.companion == "c"
+    assert runs(config) == [("oracle", "fixed"), ("d+lookup", "fixed"), ("d+lookup", "goodput"),
+                            ("d+lookup", "companion")]
+    assert run_label("oracle", "fixed") == "oracle" and run_label("d+lookup", "goodput") == "d+lookup [goodput]"
 
 
 def test_export_writes_hub_folder_with_card(tmp_path):
@@ -107,3 +122,25 @@ def test_shipped_drafter_folder_carries_the_current_code():
         assert (folder / "custom_generate" / source.name).read_text() == source.read_text(), source.name
     for name in ("configuration_specformer.py", "modeling_specformer.py"):
         assert (folder / name).read_text() == (package / "models" / "specformer" / name).read_text(), name
+
+
+def test_export_companion_writes_a_loadable_folder_with_a_card_of_its_measurements(tmp_path):
+    from conftest import make_companion
+    from transformers import AutoModel
+
+    companion = make_companion(make_target("llama")).set_vocab([3, 5, 8])
+    companion.config.acceptance_table = {"signal": "sv", "edges": [[0.5], [0.5]], "num_slots": 1,
+                                         "rate": [0.5] * 8, "trials": [4.0] * 8, "expected_accepted": [0.0, 0.5]}
+    companion.save_pretrained(tmp_path / "trained")
+    scores = {"auc": 0.7, "brier": 0.2, "information_gain_bits": 0.12}
+    calibration = {"evaluation_drafts": 900, "fit_drafts": 1000, "num_draft_tokens": 3,
+                   "confidence_table": scores, "sv_table": {**scores, "auc": 0.8},
+                   "cost_seconds_per_step_b32": {"confidence_table": 1e-4, "sv_table": 2e-3}}
+    (tmp_path / "calibration.json").write_text(json.dumps(calibration))
+    cli.main(["export-companion", "--companion", str(tmp_path / "trained"), "--output", str(tmp_path / "hub"),
+              "--calibration", str(tmp_path / "calibration.json"), "--dtype", "float32"])
+    loaded = AutoModel.from_pretrained(tmp_path / "hub", trust_remote_code=True)
+    assert loaded.vocab_ids.tolist() == [3, 5, 8] and loaded.config.acceptance_table["signal"] == "sv"
+    card = (tmp_path / "hub" / "README.md").read_text()
+    assert "| (c) SV (S, A) table with this companion | 0.800 | 0.2000 | 0.1200 | 2.00 ms |" in card
+    assert "acceptance_auc_sv_table, value: 0.800" in card and "custom_generate" not in os.listdir(tmp_path / "hub")

@@ -203,7 +203,9 @@ class _ModeTally:
             "predicted_acceptance_rate": sum(s["predicted_acceptance_rate"] * s["drafted"] for s in self.stats)
             / max(drafted, 1),
             "acceptance_rate": sum(s["accepted"] for s in self.stats) / max(drafted, 1),
-            "drafting_steps_share": sum(s["drafting_steps"] for s in self.stats) / max(sum(s["steps"] for s in self.stats), 1),
+            "drafting_steps_share": sum(s["drafting_steps"] for s in self.stats)
+            / max(sum(s["steps"] for s in self.stats), 1),
+            "plain_decoding_share": sum(s["plain_decoding"] for s in self.stats) / max(len(self.stats), 1),
         }
 
 
@@ -258,7 +260,8 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
     for (mode, schedule), tally in tallies.items():
         decode_speedup = (plain - prefill) / (tally.seconds - prefill)
         rows.append({
-            "mode": mode, "schedule": schedule, "label": run_label(mode, schedule), "batch_size": batch_size, "num_batches": len(batches), "new_tokens": tokens,
+            "mode": mode, "schedule": schedule, "label": run_label(mode, schedule), "batch_size": batch_size,
+            "num_batches": len(batches), "new_tokens": tokens,
             "plain_seconds": plain, "spec_seconds": tally.seconds, "prefill_seconds": prefill,
             "plain_tokens_per_s": tokens / plain, "spec_tokens_per_s": tokens / tally.seconds,
             "speedup": plain / tally.seconds, "decode_speedup": decode_speedup, **limit,

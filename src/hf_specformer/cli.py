@@ -8,6 +8,7 @@
     hf-specformer calibrate --data DIR ...  acceptance tables of drafter and companion, estimator comparison
     hf-specformer bench --oracle ...        side-by-side benchmark, JSON + PNG
     hf-specformer export --drafter DIR ...  Hub folder: weights, code, custom_generate/, model card
+    hf-specformer export-companion ...      a companion's Hub folder: weights, table, code, model card
 """
 
 from __future__ import annotations
@@ -56,6 +57,28 @@ def _export(argv: list[str]) -> None:
     print(export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype)))
 
 
+def _export_companion(argv: list[str]) -> None:
+    import torch
+    from transformers import AutoModel
+
+    from .hub.cards import render_companion_card
+    from .hub.export import export_companion
+
+    parser = argparse.ArgumentParser(prog="hf-specformer export-companion",
+                                     description="Write a Speculative Verification companion's Hub folder.")
+    parser.add_argument("--companion", required=True, help="a trained (and calibrated) companion folder")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--eval", default=None, help="companion_eval.json of the training run")
+    parser.add_argument("--calibration", default=None, help="the report of `hf-specformer calibrate`")
+    parser.add_argument("--bench", default=None, help="benchmark JSON with a `companion` schedule")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    companion = AutoModel.from_pretrained(args.companion, trust_remote_code=True, dtype=torch.float32)
+    card = render_companion_card(companion, eval_path=args.eval, calibration_path=args.calibration,
+                                 bench_path=args.bench)
+    print(export_companion(companion, args.output, model_card=card, dtype=getattr(torch, args.dtype)))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
@@ -68,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         "calibrate": lambda rest: __import__("hf_specformer.training.calibrate", fromlist=["main"]).main(rest),
         "bench": lambda rest: __import__("hf_specformer.bench", fromlist=["main"]).main(rest),
         "export": _export,
+        "export-companion": _export_companion,
     }
     if not argv or argv[0] not in commands:
         print(__doc__)

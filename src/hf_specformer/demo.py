@@ -24,11 +24,17 @@ from .targets import DEFAULT_TARGET, load_target, load_tokenizer
 from .training.data import chat_prompt_ids, load_prompts
 
 SHIPPED_DRAFTER = "specformer-smollm2-135m-instruct"
+SHIPPED_COMPANION = "sv-companion-smollm2-135m-instruct"
 
 
 def shipped_drafter_dir() -> Path:
     """Folder of the trained SmolLM2 drafter shipped inside the package (the Hub folder we publish)."""
     return Path(str(resources.files("hf_specformer") / "pretrained" / SHIPPED_DRAFTER))
+
+
+def shipped_companion_dir() -> Path:
+    """Folder of the trained SmolLM2 Speculative Verification companion shipped inside the package."""
+    return Path(str(resources.files("hf_specformer") / "pretrained" / SHIPPED_COMPANION))
 
 
 def load_drafter(path: str | None, target) -> SpecFormerForDrafting:

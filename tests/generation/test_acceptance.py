@@ -39,9 +39,11 @@ def test_fitted_table_matches_rates_per_bin_and_round_trips_as_a_capped_prior():
     probe = torch.tensor([[0.15], [0.55], [0.95]])  # bin centres (equal-mass bins of a uniform signal: width 0.1)
     estimates = table.estimate(probe, sources[:3], slots[:3])
     assert estimates.tolist() == pytest.approx([q**2 + 0.1**2 / 12 for q in (0.15, 0.55, 0.95)], abs=0.03)
+    assert table.expected_accepted == pytest.approx([0.0, float(accepted.double().mean())])
     loaded = AcceptanceTable.from_dict(table.to_dict())
     assert torch.allclose(loaded.estimate(probe, sources[:3], slots[:3]), estimates, atol=1e-6)
     assert float(loaded.prior_trials.max()) == PRIOR_TRIALS  # online counts can move it
+    assert loaded.expected_accepted == table.expected_accepted
 
 
 def test_sv_features_are_overlap_and_capped_ratio():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import make_drafter, make_target
-from helpers import make_batch
+from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
 
 from hf_specformer import SpecFormerProposer, generate
 from hf_specformer.generation.engine import measure_step_costs
@@ -133,6 +135,34 @@ def test_measured_step_costs_of_a_real_target():
     """The engine's own measurement on a tiny target: every width and batch size timed, all positive."""
     target = make_target("llama")
     drafter = make_drafter(target)
-    costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), [1, 4], 3)
+    costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), contextlib.nullcontext, [1, 4], 3)
     assert len(costs.step_seconds) == 2 and all(len(row) == 4 and min(row) > 0 for row in costs.step_seconds)
-    assert min(costs.draft_seconds) > 0
+    assert min(costs.draft_seconds) > 0 and len(costs.plain_seconds) == 2 and min(costs.plain_seconds) > 0
+
+
+def test_speculation_pays_only_where_the_engine_beats_plain_decoding():
+    costs = linear_costs(slope=0.4, draft=0.05)
+    assert GoodputSchedule(costs, 4).speculation_pays(64)  # nothing known: speculate
+    weak = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.3, 0.4, 0.45, 0.47])
+    strong = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.9, 1.7, 2.4, 3.0])
+    assert not weak.speculation_pays(64) and strong.speculation_pays(64)
+    slow_plain = StepCostModel(costs.batch_sizes, costs.step_seconds, costs.draft_seconds,
+                               plain_seconds=[1.3 * b for b in costs.batch_sizes])
+    assert GoodputSchedule(slow_plain, 4, expected_accepted=[0.0, 0.3, 0.4, 0.45, 0.47]).speculation_pays(64)
+    short = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.9])  # extended with its last value
+    assert short.expected.tolist() == [0.0, 0.9, 0.9, 0.9, 0.9]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_call_where_no_width_pays_runs_plain_decoding(kind):
+    """Calibrated gains too small for the batch's step costs: transformers' own loop runs (same tokens, no
+    drafter), and the statistics say so."""
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    table = optimistic_table("confidence")
+    table["expected_accepted"] = [0.0, 0.05, 0.08, 0.1]
+    drafter.config.acceptance_table = table
+    input_ids, mask = make_batch(6, seed=9)
+    output = assert_same_as_generate(target, drafter, input_ids, mask, max_new_tokens=12, pad_token_id=PAD)
+    stats = output.speculation_stats
+    assert stats.plain_decoding and stats.steps == 12 and stats.width_counts[0] == 12 and stats.drafted == 0

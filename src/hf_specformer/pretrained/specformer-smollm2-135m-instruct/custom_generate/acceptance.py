@@ -82,6 +82,9 @@ class AcceptanceTable:
         num_slots: drafted positions with their own bins.
         prior_rate, prior_trials: `[NUM_SOURCES, num_slots, *bins]`; default: the signal's bin centre with weight
             `DEFAULT_PRIOR_TRIALS` (see the module docstring).
+        expected_accepted: `[num_slots + 1]` E_w, the drafter's expected accepted drafts per row when verifying w
+            drafts, on the calibration data (what the goodput scheduler predicts with before a call's first step);
+            None when unknown.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class AcceptanceTable:
         num_slots: int,
         prior_rate: torch.Tensor | None = None,
         prior_trials: torch.Tensor | None = None,
+        expected_accepted: list[float] | None = None,
     ):
         if signal not in SIGNALS or len(edges) != SIGNALS[signal]:
             raise ValueError(f"signal must be one of {sorted(SIGNALS)} with matching edges, got {signal!r}.")
@@ -105,6 +109,7 @@ class AcceptanceTable:
         )
         self.accepted = torch.zeros(shape, dtype=torch.float64)
         self.trials = torch.zeros(shape, dtype=torch.float64)
+        self.expected_accepted = expected_accepted
 
     def _default_rate(self, shape) -> torch.Tensor:
         """The signal as its own estimate: the centre of each bin of the last feature (q_j(d_j), or A)."""
@@ -116,7 +121,8 @@ class AcceptanceTable:
         """Flat cell index `[N]`."""
         index = sources.cpu().clamp(max=NUM_SOURCES - 1) * self.num_slots + slots.cpu().clamp(max=self.num_slots - 1)
         for f, edges in enumerate(self.edges):
-            index = index * (len(edges) + 1) + torch.bucketize(features[:, f].float().cpu().contiguous(), edges, right=True)
+            values = features[:, f].float().cpu().contiguous()
+            index = index * (len(edges) + 1) + torch.bucketize(values, edges, right=True)
         return index
 
     def estimate(self, features: torch.Tensor, sources: torch.LongTensor, slots: torch.LongTensor) -> torch.Tensor:
@@ -142,7 +148,8 @@ class AcceptanceTable:
         total = self.trials + self.prior_trials
         rate = (self.accepted + self.prior_trials * self.prior_rate) / total
         return AcceptanceTable(
-            self.signal, [e.tolist() for e in self.edges], self.num_slots, rate, total.clamp(max=max_trials)
+            self.signal, [e.tolist() for e in self.edges], self.num_slots, rate, total.clamp(max=max_trials),
+            self.expected_accepted,
         )
 
     def to_dict(self) -> dict:
@@ -153,6 +160,7 @@ class AcceptanceTable:
             "num_slots": self.num_slots,
             "rate": self.as_prior(float("inf")).prior_rate.flatten().tolist(),
             "trials": (self.trials + self.prior_trials).flatten().tolist(),
+            "expected_accepted": self.expected_accepted,
         }
 
     @classmethod
@@ -162,6 +170,7 @@ class AcceptanceTable:
         return cls(
             data["signal"], data["edges"], data["num_slots"],
             torch.tensor(data["rate"], dtype=torch.float64), trials.clamp(max=max_trials),
+            data.get("expected_accepted"),
         )
 
     @classmethod
@@ -169,11 +178,15 @@ class AcceptanceTable:
         cls, signal: str, features: torch.Tensor, sources: torch.LongTensor, slots: torch.LongTensor,
         accepted: torch.Tensor, num_bins: int = 10, num_slots: int | None = None,
     ) -> "AcceptanceTable":
-        """Equal-mass bins of each feature over the drafter's drafts, then the counts of every cell."""
+        """Equal-mass bins of each feature over the drafter's drafts, then the counts of every cell; E_w from the
+        accepted drafts per slot over the positions drafted (every position is observed at slot 0)."""
         num_slots = num_slots or int(slots.max()) + 1
         drafter = sources == DRAFTER
         edges = [quantile_edges(features[drafter, f], num_bins) for f in range(features.shape[1])]
-        table = cls(signal, edges, num_slots)
+        per_slot = torch.bincount(slots[drafter], weights=accepted[drafter].double(), minlength=num_slots)
+        positions = max(int((slots[drafter] == 0).sum()), 1)
+        expected = [0.0] + (per_slot[:num_slots].cumsum(0) / positions).tolist()
+        table = cls(signal, edges, num_slots, expected_accepted=expected)
         table.add(features, sources, slots, accepted)
         return table
 

@@ -122,9 +122,11 @@ class RaggedBatch:
         self.attention_mask = self.attention_mask[keep]
         self.lengths = self.lengths[keep]
 
-    def hole_fraction(self) -> float:
-        """Share of cache columns that hold no valid entry, over the active rows."""
-        return 1.0 - self.lengths.sum().item() / max(self.attention_mask.numel(), 1)
+    def removable_fraction(self) -> float:
+        """Share of cache columns that compaction would remove: those beyond the longest active row's valid entries.
+        (Holes of shorter rows stay: a cache is rectangular, so rows of very different lengths keep padding however
+        often it is compacted; counting those would compact, i.e. copy the whole cache, on every step.)"""
+        return 1.0 - self.lengths.max().item() / max(self.attention_mask.shape[1], 1)
 
     def compaction_index(self) -> torch.LongTensor:
         """`[B, L]` cache columns to gather so each row's valid entries are right-aligned in L = max length columns.

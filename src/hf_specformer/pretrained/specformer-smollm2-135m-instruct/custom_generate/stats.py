@@ -30,6 +30,8 @@ class SpecStats:
         predicted_accepted: the scheduler's expected accepted drafts, summed over the drafts it verified (with
             `accepted` it gives predicted vs realised acceptance; 0 for schedules that estimate nothing).
         drafting_steps: steps whose drafts came from running the drafter (the rest skipped its slot stage).
+        plain_decoding: the goodput scheduler predicted that no width pays at this batch size, so the call ran
+            plain decoding (every step width 0, no drafter).
     """
 
     num_draft_tokens: int
@@ -42,6 +44,7 @@ class SpecStats:
     width_counts: list[int] = field(default_factory=list)
     predicted_accepted: float = 0.0
     drafting_steps: int = 0
+    plain_decoding: bool = False
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
 
@@ -132,4 +135,5 @@ class SpecStats:
             "mean_width": self.mean_width,
             "predicted_acceptance_rate": self.predicted_acceptance_rate,
             "drafting_steps": self.drafting_steps,
+            "plain_decoding": self.plain_decoding,
         }
