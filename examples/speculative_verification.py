@@ -38,8 +38,9 @@ for label, kwargs in {"fixed k": dict(schedule="fixed"), "goodput (drafter confi
         assert torch.equal(out.sequences, target.generate(**batch, max_new_tokens=64, do_sample=False)
                            if size == 1 else plain)
         stats = out.speculation_stats
+        predicted = f", predicted acceptance {stats.predicted_acceptance_rate:.2f} vs realised " \
+            f"{stats.acceptance_rate:.2f}" if stats.predicted_accepted else ""
         what = "plain decoding (no width pays at this batch size)" if stats.plain_decoding else (
-            f"widths chosen {stats.width_counts}, predicted acceptance {stats.predicted_acceptance_rate:.2f} vs "
-            f"realised {stats.acceptance_rate:.2f}")
+            f"widths chosen {stats.width_counts}{predicted}")
         print(f"{label}, B = {size}: identical to plain generate; kappa {stats.tokens_per_step:.2f}, "
               f"{stats.drafts_per_step:.2f} drafts verified per step; {what}")

@@ -9,7 +9,13 @@ import pytest
 import torch
 from conftest import make_companion, make_drafter, make_target
 from datasets import Dataset
-from test_train import learnable_target, make_config, random_dataset, repetitive_dataset
+from test_train import (  # single_thread: the autouse fixture of the training tests
+    learnable_target,
+    make_config,
+    random_dataset,
+    repetitive_dataset,
+    single_thread,  # noqa: F401
+)
 from transformers import AutoModel
 
 from hf_specformer.training.calibrate import (
@@ -29,14 +35,6 @@ from hf_specformer.training.train_companion import (
     train_companion,
 )
 from hf_specformer.training.train_drafter import train
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def small_config(tmp_path, **overrides) -> CompanionTrainingConfig:
