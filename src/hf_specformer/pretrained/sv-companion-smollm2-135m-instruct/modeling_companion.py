@@ -39,6 +39,7 @@ from transformers.utils import ModelOutput
 from .configuration_companion import CompanionConfig
 
 
+# Copied from modeling_specformer.SpecFormerRMSNorm (remote code is one self-contained file per model)
 class CompanionRMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in float32 and cast back."""
 

@@ -346,7 +346,8 @@ def speculative_decode(
         logits_processor, stopping_criteria, generation_config: as prepared by `generate`.
         proposer: where drafts come from (`SpecFormerProposer`, `OracleProposer`, ...).
         speculative_streamer: a streamer (batch size 1 only); the prompt is put first.
-        compaction_hole_fraction: compact the caches when holes reach this share of their columns (> 1: never).
+        compaction_hole_fraction: compact the caches when the columns compaction would remove reach this share
+            of their columns (> 1: never).
         confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative probability
             is at least this (`scheduling.py`; 0: all k).
         schedule: "goodput" (the goodput scheduler) or "fixed".
