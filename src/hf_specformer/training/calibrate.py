@@ -41,7 +41,13 @@ from hf_specformer.generation.acceptance import (
     sv_features,
 )
 from hf_specformer.targets import DEFAULT_TARGET, load_target
-from hf_specformer.training.train_drafter import load_distilled, next_token_ids, target_hidden_states
+from hf_specformer.training.train_drafter import (
+    load_distilled,
+    next_token_ids,
+    reply_positions,
+    target_hidden_states,
+    tokens_after,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +67,17 @@ def draft_records(target, drafter, companion, dataset, num_draft_tokens: int, ma
                                               ("confidence", "margin", "S", "A", "accepted", "observed", "sequence")}
     for index, row in enumerate(tqdm(dataset, desc="calibration data", disable=not progress, leave=False)):
         ids = torch.tensor(row["input_ids"][:max_length], device=target.device)
-        start = row["prompt_length"] - 1
-        if ids.numel() - start < 3:
+        positions = reply_positions(ids, row["prompt_length"])
+        if positions.numel() == 0:
             continue
         hidden = target_hidden_states(target, ids[None], torch.ones_like(ids)[None])
-        positions = torch.arange(start, ids.numel() - 2, device=ids.device)
         output = drafter(drafter.select_hooked_states(hidden), draft_positions=positions[None], num_draft_tokens=k,
                          next_token_ids=next_token_ids(ids[None]), use_cache=False)
         logits = output.logits[0].float()  # [P, k, V]
         probs = logits.softmax(-1)
         drafts = probs.argmax(-1)  # greedy drafts [P, k]
         top2 = logits.topk(2, dim=-1).values
-        padded = torch.cat([ids, ids.new_full((k + 1,), -1)])
-        truth = padded[positions[:, None] + 2 + torch.arange(k, device=ids.device)]  # [P, k]
+        truth = tokens_after(ids, positions, 2, k)  # [P, k]: what drafts 1..k should be
         match = (drafts == truth) & (truth >= 0)
         previous = torch.cat([torch.ones_like(match[:, :1]), match[:, :-1]], dim=1).cumprod(1).bool()
         columns["confidence"].append(confidence_features(probs, drafts)[..., 0].cpu())

@@ -33,10 +33,12 @@ from hf_specformer.training.train_drafter import (
     TrainerState,
     list_checkpoints,
     load_distilled,
+    reply_positions,
     restore_checkpoint,
     save_checkpoint,
     split_train_eval,
     target_hidden_states,
+    tokens_after,
     warmup_cosine,
 )
 
@@ -95,15 +97,12 @@ def chain_examples(target, dataset, chain_length: int, max_length: int, label_in
     states, chains, labels = [], [], []
     for row in tqdm(dataset, desc="target states", disable=not progress, leave=False):
         ids = torch.tensor(row["input_ids"][:max_length], device=target.device)
-        start = row["prompt_length"] - 1
-        if ids.numel() - start < 3:
+        positions = reply_positions(ids, row["prompt_length"])
+        if positions.numel() == 0:
             continue
         last = target_hidden_states(target, ids[None], torch.ones_like(ids)[None])[-1][0]  # [T, d]
-        padded = torch.cat([ids, ids.new_full((chain_length + 1,), -1)])
-        positions = torch.arange(start, ids.numel() - 2, device=ids.device)
-        offsets = torch.arange(chain_length, device=ids.device)
-        chain = padded[positions[:, None] + 1 + offsets]
-        label = padded[positions[:, None] + 2 + offsets]
+        chain = tokens_after(ids, positions, 1, chain_length)
+        label = tokens_after(ids, positions, 2, chain_length)
         states.append(last[positions].float().cpu())
         chains.append(chain.clamp(min=0).cpu())
         labels.append(torch.where(label >= 0, label_index[label.clamp(min=0).cpu()], IGNORE).cpu())

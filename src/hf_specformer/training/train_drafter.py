@@ -416,6 +416,18 @@ def next_token_ids(input_ids: torch.LongTensor) -> torch.LongTensor:
     return torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
 
 
+def reply_positions(ids: torch.LongTensor, prompt_length: int) -> torch.LongTensor:
+    """`[P]` the positions t of a sequence `ids` `[T]` whose next two tokens are reply tokens: the last prompt
+    position up to T - 3 (where drafting starts once the target has committed x_{t+1})."""
+    return torch.arange(prompt_length - 1, ids.numel() - 2, device=ids.device)
+
+
+def tokens_after(ids: torch.LongTensor, positions: torch.LongTensor, first: int, count: int) -> torch.LongTensor:
+    """`[P, count]`: ids[t + first + j] for j < count at each position t, -1 past the end of the sequence."""
+    padded = torch.cat([ids, ids.new_full((first + count,), -1)])
+    return padded[positions[:, None] + first + torch.arange(count, device=ids.device)]
+
+
 @torch.no_grad()
 def target_hidden_states(
     target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor

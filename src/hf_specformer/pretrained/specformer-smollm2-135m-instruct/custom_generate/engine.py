@@ -259,7 +259,7 @@ def _plan_step(
         none = torch.zeros(batch.size, dtype=torch.long, device=last_committed.device)
         return none[:, None][:, :0], None, none, None
     draft_ids, draft_scores = _draft(batch, processor, draft_logits, do_sample)
-    needs_probs = do_sample or estimator is not None or getattr(plan, "threshold", 0) > 0
+    needs_probs = do_sample or estimator is not None or plan.needs_confidence
     draft_probs = draft_scores.softmax(-1) if needs_probs else None
     if estimator is None:
         confidence = draft_probs.gather(2, draft_ids[..., None]).squeeze(2) if needs_probs else None

@@ -236,6 +236,11 @@ class FixedSchedule:
         self.num_draft_tokens = num_draft_tokens
         self.threshold = threshold
 
+    @property
+    def needs_confidence(self) -> bool:
+        """Whether `choose` reads the drafts' probabilities (only with a threshold)."""
+        return self.threshold > 0
+
     def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative=None,
                drafted: bool = True) -> torch.LongTensor:
         """draft_ids `[B, k]`, confidence `[B, k]` (q_j(d_j); needed with a threshold) -> drafts each row verifies
@@ -276,6 +281,8 @@ class GoodputSchedule:
             padded = list(expected_accepted) + [expected_accepted[-1]] * (num_draft_tokens + 1)
             self.expected = torch.tensor(padded[: num_draft_tokens + 1], dtype=torch.float64)
         self.steps_without_drafting = 0
+
+    needs_confidence = False  # it reads the estimates (`cumulative`), which need the probabilities anyway
 
     def step_seconds(self, batch_size: int) -> torch.Tensor:
         """`[k + 1]` t(B, w) for w = 0..k."""

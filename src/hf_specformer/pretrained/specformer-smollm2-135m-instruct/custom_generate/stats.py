@@ -54,11 +54,11 @@ class SpecStats:
 
     def record(
         self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int,
-        num_drafts: torch.LongTensor | int, predicted: torch.Tensor | None = None,
+        num_drafts: torch.LongTensor, predicted: torch.Tensor | None = None,
     ) -> None:
-        """One verification step: active row `row_ids[b]` verified `num_drafts[b]` drafts (or `num_drafts` each) and
-        accepted `num_accepted[b]` of them; `predicted` `[B, k]` is the estimated chance that drafts 1..j are all
-        accepted (None: not estimated)."""
+        """One verification step: active row `row_ids[b]` verified `num_drafts[b]` drafts and accepted
+        `num_accepted[b]` of them (the step's width is the largest); `predicted` `[B, k]` is the estimated chance
+        that drafts 1..j are all accepted (None: not estimated)."""
         if self._row_steps is None:
             self._row_steps = torch.zeros(batch_size, dtype=torch.long)
             self._row_accepted = torch.zeros(batch_size, dtype=torch.long)
@@ -66,11 +66,10 @@ class SpecStats:
         rows = row_ids.cpu()
         self.steps += 1
         self.row_steps += rows.numel()
-        self.drafted += int(num_drafts.sum()) if isinstance(num_drafts, torch.Tensor) else rows.numel() * num_drafts
+        self.drafted += int(num_drafts.sum())
         self.accepted += int(num_accepted.sum())
-        width = int(num_drafts.max()) if isinstance(num_drafts, torch.Tensor) and num_drafts.numel() else num_drafts
-        self.width_counts[int(width)] += 1
-        if predicted is not None and isinstance(num_drafts, torch.Tensor):
+        self.width_counts[int(num_drafts.max())] += 1
+        if predicted is not None:
             verified = torch.arange(predicted.shape[1], device=predicted.device)[None, :] < num_drafts[:, None]
             self.predicted_accepted += float((predicted * verified).sum())
         counts = torch.bincount(num_accepted, minlength=self.num_draft_tokens + 1)
