@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -48,6 +50,19 @@ def make_companion(target, seed: int = 2, **kwargs) -> CompanionForVerification:
     defaults = dict(companion_size=16, num_attention_heads=2, intermediate_size=32)
     config = CompanionConfig.from_target_config(target.config, **{**defaults, **kwargs})
     return CompanionForVerification(config).double().eval().bind_target(target)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Every run draws its property-test cases from a seed of its own, printed in the header (and in a property
+    test's failure), so a failing run can be repeated with `--hypothesis-seed=<seed>`."""
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+
+
+def pytest_report_header(config):
+    seed = config.getoption("hypothesis_seed", None)
+    return f"property tests: --hypothesis-seed={seed} repeats this run's cases" if seed is not None else None
 
 
 @pytest.fixture(autouse=True)

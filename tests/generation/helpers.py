@@ -93,3 +93,19 @@ def assert_same_as_generate(
     mismatched = (output.sequences != reference).any(dim=1).nonzero().flatten().tolist()
     assert not mismatched, f"rows {mismatched} differ:\n{output.sequences[mismatched]}\n{reference[mismatched]}"
     return output
+
+
+def char_tokenizer():
+    """A tokenizer for the tiny models: id i (3..95) is the character chr(30 + i), 0/1/2 are pad/BOS/EOS, so stop
+    strings can be written over any token sequence (`StopStringCriteria` needs a real tokenizer)."""
+    from tokenizers import Regex, Tokenizer
+    from tokenizers.decoders import Fuse
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Split
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<s>": 1, "</s>": 2, **{chr(30 + i): i for i in range(3, 96)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

@@ -132,18 +132,6 @@ def test_streamer_batch_size_one():
     assert torch.equal(torch.cat(streamer.chunks), output[0])
 
 
-def test_sampling_with_several_return_sequences_runs():
-    target = make_target("qwen3")
-    drafter = make_drafter(target)
-    input_ids, mask = make_batch(3, seed=2)
-    output = generate(
-        target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, do_sample=True,
-        num_return_sequences=2, max_new_tokens=9, top_k=10, pad_token_id=PAD,
-    )
-    assert output.shape == (6, input_ids.shape[1] + 9)
-    assert torch.equal(output[::2, : input_ids.shape[1]], input_ids)
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -122,3 +122,30 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
         input_ids_seq_length=len(prompt),
     ))
     assert chi_square_p_value(counts, wrong) < 1e-6, "power check: the test must reject a nearby distribution"
+
+
+def test_several_return_sequences_keep_each_prompts_distribution():
+    """`num_return_sequences=7500` for two different prompts in one batch: rows 2i and 2i + 1 come from prompt i
+    after `generate` expands them; each prompt's 15,000 samples follow its own exact joint (and the first prompt's
+    samples are told apart from the second prompt's distribution, so the two are not mixed up)."""
+    target = sharp_target()
+    drafter = make_drafter(target, draft_length=4)
+    prompts = torch.tensor([[3, 7, 1, 5], [2, 9, 4, 6]])
+    config = GenerationConfig(do_sample=True, max_new_tokens=NEW_TOKENS, pad_token_id=0, num_return_sequences=7500)
+    processors = target._get_logits_processor(generation_config=config, input_ids_seq_length=prompts.shape[1])
+    torch.manual_seed(2024)
+    outputs = [
+        generate(target, input_ids=prompts, attention_mask=torch.ones_like(prompts), assistant_model=drafter,
+                 num_draft_tokens=3, generation_config=config, schedule="fixed")
+        for _ in range(2)
+    ]
+    stats = drafter.speculation_stats
+    assert 0 < stats.accepted < stats.drafted
+    references = [exact_joint(target, prompt, processors) for prompt in prompts]
+    for index, prompt in enumerate(prompts):
+        rows = torch.cat([output[index * 7500 : (index + 1) * 7500] for output in outputs])
+        assert (rows[:, : prompts.shape[1]] == prompt).all()
+        codes = (rows[:, prompts.shape[1]:] * torch.tensor([VOCAB**2, VOCAB, 1])).sum(1)
+        counts = torch.bincount(codes, minlength=VOCAB**NEW_TOKENS).double()
+        assert chi_square_p_value(counts, references[index]) > ALPHA
+        assert chi_square_p_value(counts, references[1 - index]) < 1e-6

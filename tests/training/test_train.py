@@ -381,11 +381,11 @@ def test_acceptance_steps_of_perfect_and_useless_drafts():
 
 def test_evaluate_kappa_bounds_and_random_data():
     target = make_target()
-    drafter = make_drafter(target, draft_length=4)
+    drafter = make_drafter(target, draft_length=4).train()  # evaluated in eval mode, then given back in train mode
     random_rows = random_dataset()
     result = evaluate_kappa(target, drafter, random_rows, max_k=4)
     assert result["num_sequences"] == 6 and result["num_positions"] == 6 * (40 - 2 - 4)
     assert all(1.0 <= kappa <= k + 1 for k, kappa in enumerate(result["kappa"], start=1))
     assert all(kappa < 1.1 for kappa in result["kappa"])  # untrained drafter, random tokens: nothing accepted
     assert all(0.0 <= accuracy < 0.1 for accuracy in result["slot_accuracy"])
-    assert drafter.training is False
+    assert drafter.training is True

@@ -274,12 +274,15 @@ def _plan_step(
 
 
 def _gather_cache_columns(cache: Cache, index: torch.LongTensor) -> None:
-    """Keeps, per row, the cache columns `index` (`[B, L]`) in every layer of a `DynamicCache`."""
+    """Keeps, per row, the cache columns `index` (`[B, L]`) in every layer of a `DynamicCache` (a sliding-window
+    layer's count of columns seen, which sizes its masks, too)."""
     for layer in cache.layers:
         heads, dim = layer.keys.shape[1], layer.keys.shape[3]
         expanded = index[:, None, :, None].expand(-1, heads, -1, dim)
         layer.keys = layer.keys.gather(2, expanded)
         layer.values = layer.values.gather(2, expanded)
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = index.shape[1]
 
 
 def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
@@ -376,6 +379,9 @@ def speculative_decode(
         with FewRowLinears(modules, head=model.get_output_embeddings()), GroupedQueryAttention(model):
             yield
 
+    if proposer.num_draft_tokens == 0:
+        return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
+                             speculative_streamer, model_kwargs)
     estimator = _make_estimator(acceptance_table, companion, proposer.num_draft_tokens) \
         if schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
@@ -395,7 +401,7 @@ def _plain_decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer, model_kwargs
 ):
     """transformers' own decoding loop (`GenerationMixin._sample`), untouched by this package's CPU patches: what
-    a call runs when the goodput scheduler predicts that no width pays at its batch size."""
+    a call runs with k = 0, or when the goodput scheduler predicts that no width pays at its batch size."""
     stats = proposer.stats = SpecStats(num_draft_tokens=proposer.num_draft_tokens, plain_decoding=True)
     if streamer is not None:
         streamer.put(input_ids.cpu())

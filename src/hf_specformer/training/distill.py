@@ -11,6 +11,7 @@ Run it with `hf-specformer distill ...` or `python -m hf_specformer.training.dis
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import logging
@@ -213,6 +214,8 @@ def distill(
     """
     progress_dir = os.path.join(output_dir, PROGRESS_DIR)
     os.makedirs(progress_dir, exist_ok=True)
+    for leftover in glob.glob(os.path.join(output_dir, ".dataset-*")):  # of a run killed while saving the dataset
+        shutil.rmtree(leftover, ignore_errors=True)
     check_or_write_meta(os.path.join(progress_dir, META_FILE), run_meta(target, prompts, max_new_tokens))
     records_path = os.path.join(progress_dir, RECORDS_FILE)
     done = read_records(records_path)

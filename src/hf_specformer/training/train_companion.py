@@ -28,14 +28,11 @@ from tqdm.auto import tqdm
 
 from hf_specformer.models import CompanionConfig, CompanionForVerification
 from hf_specformer.targets import DEFAULT_TARGET, load_target
+from hf_specformer.training.checkpointing import TrainerState, list_checkpoints, restore_checkpoint, save_checkpoint
 from hf_specformer.training.train_drafter import (
     StopOnSignal,
-    TrainerState,
-    list_checkpoints,
     load_distilled,
     reply_positions,
-    restore_checkpoint,
-    save_checkpoint,
     split_train_eval,
     target_hidden_states,
     tokens_after,

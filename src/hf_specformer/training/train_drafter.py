@@ -28,13 +28,12 @@ import logging
 import math
 import os
 import random
-import shutil
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -49,19 +48,23 @@ from transformers import HfArgumentParser, PreTrainedModel
 from hf_specformer.hub.export import export_drafter
 from hf_specformer.models.specformer import SpecFormerConfig, SpecFormerForDrafting
 from hf_specformer.targets import DEFAULT_TARGET, load_target
+from hf_specformer.training.checkpointing import (
+    TrainerState,
+    append_metrics,
+    list_checkpoints,
+    restore_checkpoint,
+    save_checkpoint,
+    trim_metrics,
+    write_atomically,
+)
 from hf_specformer.training.distill import DATASET_DIR, PROGRESS_DIR, RECORDS_FILE
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-CHECKPOINTS_DIR = "checkpoints"
-CHECKPOINT_PREFIX = "step-"
-TEMPORARY_PREFIX = ".tmp-"
-TRAINER_STATE_FILE = "trainer_state.json"
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
 DRAFTER_DIR = "drafter"
-KEEP_CHECKPOINTS = 2
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -610,66 +613,6 @@ def evaluate_kappa(
     }
 
 
-# ----- checkpoints and logs ------------------------------------------------------------------------------------
-@dataclass
-class TrainerState:
-    """Where a run stands: optimiser steps done, current epoch, micro-batches of that epoch consumed, last metrics."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_index: int = 0
-    metrics: dict = field(default_factory=dict)
-
-
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: TrainerState) -> Path:
-    """Writes `checkpoints/.tmp-step-N` (accelerate state + `trainer_state.json`), renames it to `step-N` and keeps
-    the last `KEEP_CHECKPOINTS` checkpoints."""
-    root = output_dir / CHECKPOINTS_DIR
-    name = f"{CHECKPOINT_PREFIX}{state.step}"
-    temporary, final = root / f"{TEMPORARY_PREFIX}{name}", root / name
-    if accelerator.is_main_process:
-        shutil.rmtree(temporary, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(temporary))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (temporary / TRAINER_STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(temporary, final)
-        for stale in list_checkpoints(output_dir)[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(stale)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints `checkpoints/step-N`, oldest first."""
-    root = output_dir / CHECKPOINTS_DIR
-    found = [path for path in root.glob(f"{CHECKPOINT_PREFIX}*") if path.name[len(CHECKPOINT_PREFIX) :].isdigit()]
-    return sorted(found, key=lambda path: int(path.name[len(CHECKPOINT_PREFIX) :]))
-
-
-def restore_checkpoint(accelerator: Accelerator, checkpoint: Path) -> TrainerState:
-    """Loads model, optimizer, scheduler and RNG states from `checkpoint` and returns its trainer state."""
-    accelerator.load_state(str(checkpoint))
-    return TrainerState(**json.loads((checkpoint / TRAINER_STATE_FILE).read_text()))
-
-
-def trim_metrics(path: Path, last_step: int) -> None:
-    """Drops the log lines of steps after `last_step`: those of a run that died after its last checkpoint, or the
-    whole log of an earlier run without checkpoints when a fresh run starts (`last_step` 0)."""
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in lines))
-
-
-def append_metrics(path: Path, record: dict) -> None:
-    """Appends one JSON line to the metrics log."""
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 # ----- training ------------------------------------------------------------------------------------------------
 @dataclass
 class TrainingResult:
@@ -927,7 +870,7 @@ def train(
     if accelerator.is_main_process:
         export_drafter(unwrapped, output_dir / DRAFTER_DIR, dtype=SAVE_DTYPES[config.save_dtype])
         summary = {"step": state.step, "num_processes": accelerator.num_processes, **evaluation}
-        (output_dir / EVAL_FILE).write_text(json.dumps(summary, indent=2))
+        write_atomically(output_dir / EVAL_FILE, json.dumps(summary, indent=2))
     accelerator.wait_for_everyone()
     return TrainingResult(drafter=unwrapped, optimizer=optimizer, state=state, evaluation=evaluation)
 

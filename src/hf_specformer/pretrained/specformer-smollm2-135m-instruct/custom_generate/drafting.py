@@ -90,10 +90,10 @@ class SpecFormerProposer(Proposer):
     requires_hidden_states = True
 
     def __init__(self, drafter: torch.nn.Module, num_draft_tokens: int | None = None):
-        super().__init__(num_draft_tokens or drafter.config.num_speculative_tokens)
-        if not 1 <= self.num_draft_tokens <= drafter.config.draft_length:
+        super().__init__(drafter.config.num_speculative_tokens if num_draft_tokens is None else num_draft_tokens)
+        if not 0 <= self.num_draft_tokens <= drafter.config.draft_length:
             raise ValueError(
-                f"num_draft_tokens={self.num_draft_tokens} must be between 1 and the drafter's "
+                f"num_draft_tokens={self.num_draft_tokens} must be between 0 (plain decoding) and the drafter's "
                 f"draft_length={drafter.config.draft_length}."
             )
         self.drafter = drafter

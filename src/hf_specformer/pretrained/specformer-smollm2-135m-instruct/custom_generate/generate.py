@@ -8,7 +8,8 @@ Two ways in, same function:
 This file is the drafter folder's `custom_generate/generate.py` (bundled with its sibling modules), so it imports
 only torch, transformers (and numpy, which transformers requires) and siblings. Arguments beyond `generate`'s:
     assistant_model: a SpecFormer drafter (bound to `model` here if it is not yet) or a `Proposer`.
-    num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`).
+    num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`; 0: plain
+        decoding, transformers' own loop).
     lookup_ngram_size: add prompt lookup (`PromptLookupProposer`): where a row's last n committed tokens (n = this
         down to 2) occurred earlier in the row, the tokens that followed them are the drafts. 0 turns it off.
     compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the
@@ -33,13 +34,19 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
 from .drafting import PromptLookupProposer, Proposer, SpecFormerProposer
 from .engine import COMPACTION_HOLE_FRACTION, speculative_decode
 from .scheduling import CONFIDENCE_THRESHOLD
-
-UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+from .validation import (
+    check_arguments,
+    check_cache_layers,
+    check_logits_processors,
+    check_prompt,
+    max_new_tokens,
+    resolved_config,
+)
 
 LOOKUP_NGRAM_SIZE = 4
 """Default longest n-gram of prompt lookup (see `PromptLookupProposer` for the measurement behind it)."""
@@ -49,7 +56,7 @@ def _make_proposer(model, assistant_model, num_draft_tokens: int | None, lookup_
     """The proposer behind `assistant_model`, bound to `model` and checked against it, with prompt lookup on top
     when `lookup_ngram_size` > 0 (unless it is a `PromptLookupProposer` already)."""
     proposer = _assistant_proposer(model, assistant_model, num_draft_tokens)
-    if not lookup_ngram_size or isinstance(proposer, PromptLookupProposer):
+    if not lookup_ngram_size or not proposer.num_draft_tokens or isinstance(proposer, PromptLookupProposer):
         return proposer
     return PromptLookupProposer(proposer, lookup_ngram_size)
 
@@ -96,42 +103,46 @@ def _bind_companion(model, companion_model):
     return companion_model
 
 
+def _check_speculation_arguments(num_draft_tokens, lookup_ngram_size, compaction_hole_fraction,
+                                 confidence_threshold) -> None:
+    """Types and ranges of the arguments `generate` does not know."""
+    for name, value in (("num_draft_tokens", num_draft_tokens), ("lookup_ngram_size", lookup_ngram_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+    if num_draft_tokens is not None and num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens} must be at least 0 (0: plain decoding).")
+    if lookup_ngram_size is not None and lookup_ngram_size < 0:
+        raise ValueError(f"lookup_ngram_size={lookup_ngram_size} must be 0 (off) or at least 2.")
+    if not compaction_hole_fraction >= 0:
+        raise ValueError(
+            f"compaction_hole_fraction={compaction_hole_fraction} must be at least 0 (0: every step, above 1: never)."
+        )
+    if not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"confidence_threshold={confidence_threshold} must be between 0 and 1.")
+
+
+def _stop_string_criteria(config: GenerationConfig, generation_config, stopping_criteria, kwargs: dict):
+    """`stop_strings` as a `StopStringCriteria` among the stopping criteria, and the configs without them:
+    `GenerationMixin.generate` drops `tokenizer=` when the decoding method is a callable, so it could not build the
+    criterion itself. Updates `kwargs` in place; returns (stopping_criteria, generation_config)."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    if not config.stop_strings:
+        return stopping_criteria, generation_config
+    if tokenizer is None:
+        raise ValueError("stop_strings need the target's tokenizer: pass `tokenizer=`.")
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings)
+    kwargs["stop_strings"] = None
+    if generation_config is not None and generation_config.stop_strings:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.stop_strings = None
+    return StoppingCriteriaList([*(stopping_criteria or []), criterion]), generation_config
+
+
 def _acceptance_table(assistant_model, companion_model) -> dict | None:
     """The calibrated table the estimator starts from: the companion's (S, A) table, or the drafter's confidence
     table; None when the model carries none."""
     source = companion_model if companion_model is not None else assistant_model
     return getattr(getattr(source, "config", None), "acceptance_table", None)
-
-
-def _check_arguments(model, inputs, generation_config, streamer, kwargs) -> None:
-    """Clear errors for what speculative generation does not do, before any work."""
-    config = copy.deepcopy(generation_config or model.generation_config)
-    unused = config.update(**kwargs)
-    if (config.num_beams or 1) > 1:
-        raise ValueError("Speculative generation does not support beam search (`num_beams > 1`).")
-    if (config.num_return_sequences or 1) > 1 and not config.do_sample:
-        raise ValueError("`num_return_sequences > 1` needs `do_sample=True`: greedy rows would be identical.")
-    if config.cache_implementation not in (None, "dynamic") or unused.get("past_key_values") is not None:
-        raise ValueError(
-            f"Speculative generation manages its own DynamicCache; got cache_implementation="
-            f"{config.cache_implementation!r}{' and past_key_values' if unused.get('past_key_values') else ''}."
-        )
-    requested = [name for name in UNSUPPORTED_OUTPUTS if getattr(config, name, False)]
-    if requested:
-        raise ValueError(f"Speculative generation returns sequences and statistics only; unsupported: {requested}.")
-    input_ids = inputs if inputs is not None else unused.get("input_ids")
-    if input_ids is None:
-        raise ValueError("Pass `input_ids` (or `inputs`): speculative generation needs a prompt.")
-    if streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError("A streamer needs batch size 1.")
-    pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-    if isinstance(pad_token_id, list):
-        pad_token_id = pad_token_id[0]
-    if unused.get("attention_mask") is None and input_ids.shape[0] > 1 and pad_token_id is not None:
-        if bool((input_ids[:, 0] == pad_token_id).any()):
-            raise ValueError(
-                "The batch looks left-padded but no `attention_mask` was given: pass the tokenizer's attention_mask."
-            )
 
 
 @torch.no_grad()
@@ -157,14 +168,21 @@ def generate(
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
+    _check_speculation_arguments(num_draft_tokens, lookup_ngram_size, compaction_hole_fraction, confidence_threshold)
     if prefix_allowed_tokens_fn is not None or negative_prompt_ids is not None:
         raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
-    if not 0 <= confidence_threshold <= 1:
-        raise ValueError(f"confidence_threshold={confidence_threshold} must be between 0 and 1.")
+    config, unused = resolved_config(model, generation_config, kwargs)
+    input_ids = inputs if inputs is not None else unused.get("input_ids")
+    if input_ids is None:
+        raise ValueError("Pass `input_ids` (or `inputs`): speculative generation needs a prompt.")
+    check_prompt(model, input_ids, unused.get("attention_mask"))
+    check_arguments(model, config, unused, input_ids, streamer, synced_gpus)
+    check_logits_processors(logits_processor)
     schedule = schedule or ("fixed" if confidence_threshold > 0 else "goodput")
     proposer = _make_proposer(model, assistant_model, num_draft_tokens, lookup_ngram_size)
+    check_cache_layers(model, input_ids.shape[1], max_new_tokens(config, input_ids.shape[1]), proposer.num_draft_tokens)
     companion = _bind_companion(model, companion_model)
-    _check_arguments(model, inputs, generation_config, streamer, kwargs)
+    stopping_criteria, generation_config = _stop_string_criteria(config, generation_config, stopping_criteria, kwargs)
     result = GenerationMixin.generate(
         model,
         inputs,
