@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # before transformers imports Triton: kernels tested on the CPU run interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_specformer import CompanionConfig, CompanionForVerification, SpecFormerConfig, SpecFormerForDrafting

@@ -144,3 +144,18 @@ def test_export_companion_writes_a_loadable_folder_with_a_card_of_its_measuremen
     card = (tmp_path / "hub" / "README.md").read_text()
     assert "| (c) SV (S, A) table with this companion | 0.800 | 0.2000 | 0.1200 | 2.00 ms |" in card
     assert "acceptance_auc_sv_table, value: 0.800" in card and "custom_generate" not in os.listdir(tmp_path / "hub")
+
+
+def test_device_and_dtype_options_reach_the_tools():
+    from hf_specformer.demo import build_parser as demo_parser
+    from hf_specformer.training.distill import parse_args as distill_args
+    from hf_specformer.training.train_drafter import parse_config
+
+    options = ["--device", "cpu", "--dtype", "bfloat16"]
+    config = config_from_args(build_parser().parse_args(["--oracle", *options]))
+    assert (config.device, config.dtype) == ("cpu", "bfloat16")
+    assert vars(demo_parser().parse_args(options)).items() >= {"device": "cpu", "dtype": "bfloat16"}.items()
+    assert vars(distill_args(["--output", "o", *options])).items() >= {"device": "cpu", "dtype": "bfloat16"}.items()
+    assert parse_config(["--data", "d", "--output-dir", "o", "--target-dtype", "float16"]).target_dtype == "float16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--oracle", "--dtype", "int8"])

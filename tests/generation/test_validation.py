@@ -227,3 +227,29 @@ def test_sliding_cache_length_follows_compaction():
     output = assert_same_as_generate(target, oracle, input_ids, mask, max_new_tokens=30, schedule="fixed",
                                      lookup_ngram_size=0, compaction_hole_fraction=0.0)
     assert output.speculation_stats.accepted > 0
+
+
+class PatchWitness(StoppingCriteria):
+    """Records, at every call inside the loop, whether the target's attention implementation is switched."""
+
+    def __init__(self, target):
+        self.target, self.seen = target, set()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.add(self.target.config._attn_implementation)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("cpu_speedups", [True, False])
+def test_cpu_speedups_switch(cpu_speedups):
+    """On: the loop runs with grouped-query attention switched in; off: the model is untouched. Same output."""
+    target = make_target("llama")
+    target.config._attn_implementation = "sdpa"
+    input_ids, mask = make_batch(3, seed=5)
+    witness = PatchWitness(target)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                      max_new_tokens=10, schedule="fixed", stopping_criteria=StoppingCriteriaList([witness]),
+                      cpu_speedups=cpu_speedups)
+    assert torch.equal(output, reference)
+    assert witness.seen == ({"hf_specformer_gqa_sdpa"} if cpu_speedups else {"sdpa"})

@@ -217,7 +217,7 @@ class PromptLookupProposer(Proposer):
         lookup matches alone (None if there are none)."""
         logits = self.proposer.propose(batch, hidden_states, position_ids, source_index, draft)  # [B, k, V] or None
         drafts, found = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
-        self.stats.looked_up += int(found.sum())
+        self.stats.record_lookups(found, batch.tokens.shape[0])
         self.sources = torch.where(found, LOOKUP, DRAFTER if logits is not None else NO_DRAFT)
         if not found.any():
             return logits

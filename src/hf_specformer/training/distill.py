@@ -26,7 +26,7 @@ from datasets import Dataset, Features, List, Value
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_specformer.targets import DEFAULT_TARGET, default_device, load_target, load_tokenizer
+from hf_specformer.targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer
 from hf_specformer.training.data import chat_prompt_ids, load_prompts
 
 logger = logging.getLogger(__name__)
@@ -242,9 +242,10 @@ def distill(
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--target`, `--device` and `--threads`: which target generates, and where."""
+    """`--target`, `--device`, `--dtype` and `--threads`: which target generates, and where."""
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
     parser.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -252,7 +253,8 @@ def target_from_args(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrai
     """The target and its tokenizer as `add_target_arguments` asked, after setting the CPU threads."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_target(args.target, device=args.device or default_device()), load_tokenizer(args.target)
+    target = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device or default_device())
+    return target, load_tokenizer(args.target)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,7 +47,7 @@ from transformers import HfArgumentParser, PreTrainedModel
 
 from hf_specformer.hub.export import export_drafter
 from hf_specformer.models.specformer import SpecFormerConfig, SpecFormerForDrafting
-from hf_specformer.targets import DEFAULT_TARGET, load_target
+from hf_specformer.targets import DEFAULT_TARGET, DTYPES, load_target
 from hf_specformer.training.checkpointing import (
     TrainerState,
     append_metrics,
@@ -65,7 +65,6 @@ IGNORE_INDEX = -100
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
 DRAFTER_DIR = "drafter"
-SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----- configuration -------------------------------------------------------------------------------------------
@@ -113,6 +112,8 @@ class DrafterTrainingConfig:
         eval_every: evaluate every this many optimiser steps (0: only at the end).
         save_every: checkpoint every this many optimiser steps (0: never).
         mixed_precision: `no` or `bf16` (autocast of the target, the drafter and the head; float32 weights).
+        target_dtype: dtype the frozen target is loaded in (its hidden states are what the drafter learns from). The
+            device is accelerate's (a GPU when there is one; `accelerate launch --cpu` for the CPU).
         save_dtype: dtype of the exported drafter weights.
         seed: seed of initialisation, data order, held-out split and position sampling.
         num_threads: torch CPU threads per process (0: torch's default).
@@ -160,6 +161,9 @@ class DrafterTrainingConfig:
     eval_every: int = field(default=500, metadata={"help": "Evaluate every N optimiser steps (0: at the end)."})
     save_every: int = field(default=500, metadata={"help": "Checkpoint every N optimiser steps (0: never)."})
     mixed_precision: Literal["no", "bf16"] = field(default="no", metadata={"help": "Autocast precision."})
+    target_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata={"help": "dtype of the frozen target (the device is accelerate's)."}
+    )
     save_dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="bfloat16", metadata={"help": "Dtype of the exported drafter."}
     )
@@ -803,7 +807,7 @@ def train(
     output_dir.mkdir(parents=True, exist_ok=True)
     set_seed(config.seed)
 
-    target = load_target(config.target) if target is None else target
+    target = load_target(config.target, dtype=DTYPES[config.target_dtype]) if target is None else target
     target = target.requires_grad_(False).eval().to(accelerator.device)
     dataset = load_distilled(config.data) if dataset is None else dataset
     train_set, eval_set = split_train_eval(dataset, config.max_length, config.eval_fraction, config.seed)
@@ -868,7 +872,7 @@ def train(
     evaluation = run_evaluation(accelerator, target, drafter, eval_set, config, state, metrics_path)
     unwrapped = accelerator.unwrap_model(drafter)
     if accelerator.is_main_process:
-        export_drafter(unwrapped, output_dir / DRAFTER_DIR, dtype=SAVE_DTYPES[config.save_dtype])
+        export_drafter(unwrapped, output_dir / DRAFTER_DIR, dtype=DTYPES[config.save_dtype])
         summary = {"step": state.step, "num_processes": accelerator.num_processes, **evaluation}
         write_atomically(output_dir / EVAL_FILE, json.dumps(summary, indent=2))
     accelerator.wait_for_everyone()

@@ -46,6 +46,11 @@ from transformers.utils import ModelOutput
 
 from .configuration_specformer import SpecFormerConfig
 
+try:  # optional fused kernels of the hf_specformer package; remote code without the package runs PyTorch only
+    import hf_specformer.kernels as _kernels
+except ImportError:
+    _kernels = None
+
 NUM_HOOKED_STATES = 4
 
 
@@ -75,6 +80,15 @@ class SpecFormerGroupedRMSNorm(SpecFormerRMSNorm):
     def __init__(self, num_groups: int, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
         self.weight = nn.Parameter(torch.ones(num_groups, hidden_size))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[..., G, d]` -> `[..., G, d]`; outside autograd, the fused kernel of `hf_specformer.kernels` where its
+        dispatcher picks Triton (GPUs by default), else the PyTorch code (also when this file runs without the
+        package, as Hub remote code)."""
+        if _kernels is not None and not torch.is_grad_enabled() and _kernels.use_triton(hidden_states):
+            fused = _kernels.load("rms_norm").grouped_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+            return fused.view(*hidden_states.shape[:-2], *self.weight.shape)
+        return super().forward(hidden_states)
 
 
 class SpecFormerRotaryEmbedding(nn.Module):

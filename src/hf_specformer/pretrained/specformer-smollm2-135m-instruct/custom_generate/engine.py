@@ -190,8 +190,9 @@ def measure_step_costs(model, proposer: Proposer, patches, batch_sizes: list[int
                               plain=lambda batch_size: forward(batch_size, 0, False))
 
 
-def step_cost_description(model, proposer: Proposer) -> dict:
-    """What the step costs depend on: the target's configuration, dtype, device, threads and the proposer."""
+def step_cost_description(model, proposer: Proposer, cpu_speedups: bool) -> dict:
+    """What the step costs depend on: the target's configuration, dtype, device, threads, the proposer and whether
+    the CPU speed-ups run."""
     device = model.device
     return {
         "target": model.config.get_text_config().to_diff_dict(),
@@ -202,10 +203,11 @@ def step_cost_description(model, proposer: Proposer) -> dict:
         "attention": model.config._attn_implementation,
         "proposer": proposer.cost_description(),
         "context": PROFILE_CONTEXT,
+        "cpu_speedups": cpu_speedups,
     }
 
 
-def _make_schedule(model, proposer, patches, batch_size, schedule, confidence_threshold, step_costs,
+def _make_schedule(model, proposer, patches, patched, batch_size, schedule, confidence_threshold, step_costs,
                    expected_accepted):
     """The schedule object for `schedule` ("goodput" or "fixed"); goodput measures or loads its step costs."""
     k = proposer.num_draft_tokens
@@ -215,7 +217,7 @@ def _make_schedule(model, proposer, patches, batch_size, schedule, confidence_th
         costs = StepCostModel.from_value(step_costs)
     else:
         costs = cached_step_costs(
-            step_cost_description(model, proposer), batch_size, k,
+            step_cost_description(model, proposer, patched), batch_size, k,
             lambda sizes, width: measure_step_costs(model, proposer, patches, sizes, width),
         )
     return GoodputSchedule(costs, k, expected_accepted)
@@ -310,10 +312,20 @@ def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float
         batch.compact(index)
 
 
+@contextlib.contextmanager
+def cpu_patches(model, modules: list[torch.nn.Module], enabled: bool = True):
+    """The loop's CPU speed-ups (`FewRowLinears` over `modules`, `GroupedQueryAttention` of `model`) while the block
+    runs, restored after it, also on exceptions; nothing when `enabled` is False or the model is not on the CPU."""
+    if not enabled or model.device.type != "cpu":
+        yield
+        return
+    with FewRowLinears(modules, head=model.get_output_embeddings()), GroupedQueryAttention(model):
+        yield
+
+
 def target_forward(model, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep):
     """One target forward of the loop: logits of the last `logits_to_keep` inputs (0: all), and the hidden states
-    with `output_hidden_states`. Run it inside `FewRowLinears` and `GroupedQueryAttention` for the loop's speed on
-    the CPU."""
+    with `output_hidden_states`. Run it inside `cpu_patches` for the loop's speed on the CPU."""
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -339,6 +351,7 @@ def speculative_decode(
     step_costs: StepCostModel | dict | str | None = None,
     companion=None,
     acceptance_table: dict | AcceptanceTable | None = None,
+    cpu_speedups: bool = True,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -359,6 +372,8 @@ def speculative_decode(
         companion: a bound `CompanionForVerification` (or any module called as `companion(hidden_states=[B, d],
             input_ids=[B, k])` returning `.logits` `[B, k, V]`): the goodput scheduler's signal becomes SV's (S, A).
         acceptance_table: the estimator's calibrated table (`AcceptanceTable` or its dict); default uncalibrated.
+        cpu_speedups: on a CPU target, run the loop's forwards with `FewRowLinears` and `GroupedQueryAttention`
+            (restored after the call, also on exceptions); False turns them off. Never applied on other devices.
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
@@ -373,11 +388,10 @@ def speculative_decode(
     if companion is not None and schedule != "goodput":
         raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
     modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
+    patched = cpu_speedups and model.device.type == "cpu"
 
-    @contextlib.contextmanager
     def patches():
-        with FewRowLinears(modules, head=model.get_output_embeddings()), GroupedQueryAttention(model):
-            yield
+        return cpu_patches(model, modules, patched)
 
     if proposer.num_draft_tokens == 0:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
@@ -385,8 +399,8 @@ def speculative_decode(
     estimator = _make_estimator(acceptance_table, companion, proposer.num_draft_tokens) \
         if schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
-    plan = _make_schedule(model, proposer, patches, input_ids.shape[0], schedule, confidence_threshold, step_costs,
-                          expected)
+    plan = _make_schedule(model, proposer, patches, patched, input_ids.shape[0], schedule, confidence_threshold,
+                          step_costs, expected)
     if not plan.speculation_pays(input_ids.shape[0]):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
@@ -448,7 +462,7 @@ def _decode(
     first = _select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
     finished = commit(batch, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
-    drafting = plan.should_draft(int((~finished).sum()))
+    drafting = plan.should_draft(batch.size)
     draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
     source_states = _source_states(output, source_index) if companion is not None else None
     draft_logits, sources, source_states = _retire_rows(
@@ -481,7 +495,7 @@ def _decode(
         stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted)
         batch.commit_cache(num_accepted + 1, width + 1)
         finished = commit(batch, tokens, num_accepted + 1)
-        drafting = plan.should_draft(int((~finished).sum()))
+        drafting = plan.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
         draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted, draft=drafting)
         source_states = _source_states(output, num_accepted) if companion is not None else None
         draft_logits, sources, source_states = _retire_rows(
@@ -489,6 +503,7 @@ def _decode(
         )
         _maybe_compact(batch, caches, compaction_hole_fraction)
 
+    stats.finish()
     if speculative_streamer is not None:
         speculative_streamer.end()
     sequences = batch.sequences()

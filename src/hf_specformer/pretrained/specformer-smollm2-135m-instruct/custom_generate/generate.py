@@ -21,6 +21,8 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         it uses the drafter's own confidence (through the drafter's table, when calibrated).
     step_costs: the goodput scheduler's step costs (`StepCostModel`, its dict, or a saved JSON file); default:
         measured once per model, dtype, device and drafter and cached under `$HF_SPECFORMER_CACHE`.
+    cpu_speedups: on a CPU target, the loop's few-row matrix products and grouped-query attention
+        (`products.py`, `attention.py`; default True). Never applied on GPUs.
     confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative draft
         probability is at least this (default 0: all k; looked-up drafts count as certain).
 Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
@@ -165,6 +167,7 @@ def generate(
     schedule: str | None = None,
     companion_model=None,
     step_costs=None,
+    cpu_speedups: bool = True,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -197,6 +200,7 @@ def generate(
         confidence_threshold=confidence_threshold,
         schedule=schedule,
         step_costs=step_costs,
+        cpu_speedups=cpu_speedups,
         companion=companion,
         acceptance_table=_acceptance_table(assistant_model, companion) if schedule == "goodput" else None,
         **kwargs,

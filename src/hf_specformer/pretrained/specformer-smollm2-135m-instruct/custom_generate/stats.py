@@ -47,10 +47,17 @@ class SpecStats:
     plain_decoding: bool = False
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
+    _totals: torch.Tensor | None = None  # on the device: drafted, accepted, predicted, looked up, accepted_at, widths
 
     def __post_init__(self):
         self.accepted_at = [0] * self.num_draft_tokens
         self.width_counts = [0] * (self.num_draft_tokens + 1)
+
+    def _start(self, batch_size: int, device: torch.device) -> None:
+        if self._totals is None:
+            self._row_steps = torch.zeros(batch_size, dtype=torch.long, device=device)
+            self._row_accepted = torch.zeros(batch_size, dtype=torch.long, device=device)
+            self._totals = torch.zeros(4 + 2 * self.num_draft_tokens + 1, dtype=torch.float64, device=device)
 
     def record(
         self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int,
@@ -58,26 +65,39 @@ class SpecStats:
     ) -> None:
         """One verification step: active row `row_ids[b]` verified `num_drafts[b]` drafts and accepted
         `num_accepted[b]` of them (the step's width is the largest); `predicted` `[B, k]` is the estimated chance
-        that drafts 1..j are all accepted (None: not estimated)."""
-        if self._row_steps is None:
-            self._row_steps = torch.zeros(batch_size, dtype=torch.long)
-            self._row_accepted = torch.zeros(batch_size, dtype=torch.long)
-        num_accepted = num_accepted.cpu()
-        rows = row_ids.cpu()
+        that drafts 1..j are all accepted (None: not estimated). Counts stay on the device until `finish` (no
+        host synchronisation per step)."""
+        self._start(batch_size, num_accepted.device)
+        k = self.num_draft_tokens
         self.steps += 1
-        self.row_steps += rows.numel()
-        self.drafted += int(num_drafts.sum())
-        self.accepted += int(num_accepted.sum())
-        self.width_counts[int(num_drafts.max())] += 1
+        self.row_steps += row_ids.numel()
+        step = torch.zeros_like(self._totals)
+        step[0], step[1] = num_drafts.sum(), num_accepted.sum()
         if predicted is not None:
             verified = torch.arange(predicted.shape[1], device=predicted.device)[None, :] < num_drafts[:, None]
-            self.predicted_accepted += float((predicted * verified).sum())
-        counts = torch.bincount(num_accepted, minlength=self.num_draft_tokens + 1)
-        at_least = counts.flip(0).cumsum(0).flip(0)  # at_least[j] = rows that accepted >= j drafts
-        for j in range(self.num_draft_tokens):
-            self.accepted_at[j] += int(at_least[j + 1])
-        self._row_steps[rows] += 1
-        self._row_accepted[rows] += num_accepted
+            step[2] = (predicted * verified).sum()
+        at_least = torch.arange(1, k + 1, device=num_accepted.device)[None, :] <= num_accepted[:, None]  # [B, k]
+        step[4 : 4 + k] = at_least.sum(0)
+        step[4 + k :] = torch.nn.functional.one_hot(num_drafts.max(), k + 1)
+        self._totals += step
+        self._row_steps.index_add_(0, row_ids, torch.ones_like(row_ids))
+        self._row_accepted.index_add_(0, row_ids, num_accepted)
+
+    def record_lookups(self, found: torch.BoolTensor, batch_size: int) -> None:
+        """Drafts that prompt lookup proposed this step (`found` `[B, k]`), counted on the device."""
+        self._start(batch_size, found.device)
+        self._totals[3] += found.sum()
+
+    def finish(self) -> None:
+        """Copies the device counts into the attributes (one host synchronisation per call)."""
+        if self._totals is None:
+            return
+        k = self.num_draft_tokens
+        totals = self._totals.cpu()
+        self.drafted, self.accepted, self.looked_up = int(totals[0]), int(totals[1]), int(totals[3])
+        self.predicted_accepted = float(totals[2])
+        self.accepted_at = [int(count) for count in totals[4 : 4 + k]]
+        self.width_counts = [int(count) for count in totals[4 + k :]]
 
     @property
     def tokens_per_step(self) -> float:
@@ -114,7 +134,7 @@ class SpecStats:
         """Per original row: committed tokens per step."""
         if self._row_steps is None:
             return []
-        return ((self._row_accepted + self._row_steps) / self._row_steps.clamp(min=1)).tolist()
+        return ((self._row_accepted + self._row_steps) / self._row_steps.clamp(min=1)).cpu().tolist()
 
     def to_dict(self) -> dict:
         """Plain numbers, for JSON reports."""

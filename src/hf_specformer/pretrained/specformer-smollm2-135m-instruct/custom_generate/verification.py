@@ -13,7 +13,10 @@ paper's names. For drafted position j (1-based) with target distribution p_j and
 logits processing), accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample the
 correction from norm(max(p_j - q_j, 0)); after k acceptances sample the bonus from p_{k+1}. The committed tokens then
 follow exactly the target's distribution. Uniforms are drawn in float64 and compared as u * q <= p, so q(d) = 0
-(impossible for a sampled draft, but cheap to guard) means rejection rather than a division by zero.
+(impossible for a sampled draft, but cheap to guard) means rejection rather than a division by zero. The last token
+is drawn by inverse CDF from one more uniform per row (the first token whose cumulative mass exceeds u * total), so
+the fused kernel (`hf_specformer.kernels`, used on GPUs or with `HF_SPECFORMER_KERNELS=triton`) draws the same token
+from the same uniforms.
 
 A row may verify fewer than k drafts (`num_drafts[b]`, chosen by `scheduling.py`): drafts from position
 `num_drafts[b]` on are not verified, so acceptance stops there and the token at that position is the target's own
@@ -26,6 +29,11 @@ Each function returns `tokens [B, k + 1]` (committed tokens first, `EMPTY_SLOT` 
 from __future__ import annotations
 
 import torch
+
+try:  # optional fused kernels of the hf_specformer package; absent where this file runs as Hub remote code
+    import hf_specformer.kernels as _kernels
+except ImportError:
+    _kernels = None
 
 EMPTY_SLOT = -1
 
@@ -45,11 +53,28 @@ def _verified(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None) 
     return (positions < (draft_ids.shape[1] if num_drafts is None else num_drafts[:, None])).expand_as(draft_ids)
 
 
+def _kernels_for(tensor: torch.Tensor):
+    """The fused kernels (`hf_specformer.kernels.verification`) when the package is installed and its dispatcher
+    picks Triton for `tensor`; None: the PyTorch code below (also where this file runs as Hub remote code)."""
+    if _kernels is None or not _kernels.use_triton(tensor):
+        return None
+    return _kernels.load("verification")
+
+
+def _num_drafts(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None) -> torch.LongTensor:
+    if num_drafts is not None:
+        return num_drafts
+    return torch.full(draft_ids.shape[:1], draft_ids.shape[1], dtype=torch.long, device=draft_ids.device)
+
+
 def verify_greedy(
     draft_ids: torch.LongTensor, target_scores: torch.Tensor, num_drafts: torch.LongTensor | None = None
 ):
     """draft_ids `[B, k]`, target_scores `[B, k + 1, V]`, num_drafts `[B]` (None: all k) -> tokens `[B, k + 1]`,
     num_accepted `[B]`."""
+    kernels = _kernels_for(target_scores)
+    if kernels is not None:
+        return kernels.greedy_verification(draft_ids, target_scores, _num_drafts(draft_ids, num_drafts), EMPTY_SLOT)
     predictions = target_scores.argmax(dim=-1)  # [B, k + 1]
     matches = ((draft_ids == predictions[:, :-1]) & _verified(draft_ids, num_drafts)).long()
     num_accepted = matches.cumprod(dim=1).sum(dim=1)
@@ -71,24 +96,38 @@ def verify_sampling(
         draft_probs: `[B, k, V]` q, the processed draft distributions the drafts were sampled from.
         target_probs: `[B, k + 1, V]` p, the processed target distributions at the k drafted positions and after.
         num_drafts: `[B]` drafts verified per row (None: all k).
+        generator: the source of the uniforms (torch's default generator when None).
     Returns:
         tokens `[B, k + 1]`, num_accepted `[B]`.
     """
     batch, k = draft_ids.shape
+    uniforms = torch.rand((batch, k + 1), dtype=torch.float64, device=target_probs.device, generator=generator)
+    kernels = _kernels_for(target_probs)
+    if kernels is not None:
+        return kernels.sampling_verification(draft_ids, draft_probs, target_probs, _num_drafts(draft_ids, num_drafts),
+                                             uniforms[:, :k], uniforms[:, k], EMPTY_SLOT)
     p = target_probs[:, :k].gather(2, draft_ids[..., None]).squeeze(2).double()  # [B, k]
     q = draft_probs.gather(2, draft_ids[..., None]).squeeze(2).double()
-    u = torch.rand(p.shape, dtype=torch.float64, device=p.device, generator=generator)
     verified = _verified(draft_ids, num_drafts)
-    accepted = (u * q <= p) & (q > 0) & verified
+    accepted = (uniforms[:, :k] * q <= p) & (q > 0) & verified
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
 
     # The distribution of the last committed token: residual at the first rejection, p after the verified drafts.
     rows = torch.arange(batch, device=draft_ids.device)
-    p_last = target_probs[rows, num_accepted]  # [B, V]
-    q_last = torch.cat([draft_probs, p_last.new_zeros(batch, 1, p_last.shape[-1])], dim=1)[rows, num_accepted]
-    q_last = q_last * torch.cat([verified, verified.new_zeros(batch, 1)], dim=1)[rows, num_accepted, None]
+    p_last = target_probs[rows, num_accepted].double()  # [B, V]
+    q_last = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, p_last.shape[-1])], dim=1)[rows, num_accepted]
+    q_last = q_last.double() * torch.cat([verified, verified.new_zeros(batch, 1)], dim=1)[rows, num_accepted, None]
     residual = (p_last - q_last).clamp(min=0)
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q exactly: rejection impossible, keep p
-    residual = torch.where(empty, p_last, residual)
-    last_token = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
-    return _committed(draft_ids, num_accepted, last_token), num_accepted
+    residual = torch.where(empty, p_last.clamp(min=0), residual)
+    return _committed(draft_ids, num_accepted, _inverse_cdf(residual, uniforms[:, k])), num_accepted
+
+
+def _inverse_cdf(mass: torch.Tensor, uniform: torch.Tensor) -> torch.LongTensor:
+    """mass `[B, V]` (unnormalised, float64), uniform `[B]` in [0, 1) -> `[B]` the first token whose cumulative mass
+    exceeds uniform * total (a token of positive mass; the last one where rounding leaves none)."""
+    cdf = mass.cumsum(-1)
+    chosen = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
+    positions = torch.arange(mass.shape[-1], device=mass.device)
+    last_positive = torch.where(mass > 0, positions, 0).amax(-1)
+    return torch.minimum(chosen, last_positive)
