@@ -17,6 +17,18 @@ import argparse
 import sys
 
 
+def _add_push_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO", help="also publish the folder to this Hub repo")
+    parser.add_argument("--private", action="store_true", help="create the Hub repo private")
+
+
+def _maybe_push(folder, args: argparse.Namespace) -> None:
+    if args.push_to_hub:
+        from .hub.export import push_folder
+
+        print(push_folder(folder, args.push_to_hub, private=args.private))
+
+
 def _export(argv: list[str]) -> None:
     from transformers import AutoModel
 
@@ -35,6 +47,7 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--draft-vocab-data", default=None, help="distilled data the draft vocabulary is counted on")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="the default k that generate uses with this drafter (1..draft_length; default: kept)")
+    _add_push_arguments(parser)
     args = parser.parse_args(argv)
     if args.draft_vocab_size and args.draft_vocab_data is None:
         parser.error("--draft-vocab-size N > 0 needs --draft-vocab-data")
@@ -54,7 +67,9 @@ def _export(argv: list[str]) -> None:
             parser.error(f"--num-speculative-tokens must be between 1 and draft_length={drafter.config.draft_length}")
         drafter.config.num_speculative_tokens = args.num_speculative_tokens
     card = render_card(drafter, eval_path=args.eval, bench_path=args.bench, drafter_mode=args.bench_mode)
-    print(export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype)))
+    folder = export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype))
+    print(folder)
+    _maybe_push(folder, args)
 
 
 def _export_companion(argv: list[str]) -> None:
@@ -72,11 +87,14 @@ def _export_companion(argv: list[str]) -> None:
     parser.add_argument("--calibration", default=None, help="the report of `hf-specformer calibrate`")
     parser.add_argument("--bench", default=None, help="benchmark JSON with a `companion` schedule")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    _add_push_arguments(parser)
     args = parser.parse_args(argv)
     companion = AutoModel.from_pretrained(args.companion, trust_remote_code=True, dtype=torch.float32)
     card = render_companion_card(companion, eval_path=args.eval, calibration_path=args.calibration,
                                  bench_path=args.bench)
-    print(export_companion(companion, args.output, model_card=card, dtype=getattr(torch, args.dtype)))
+    folder = export_companion(companion, args.output, model_card=card, dtype=getattr(torch, args.dtype))
+    print(folder)
+    _maybe_push(folder, args)
 
 
 def main(argv: list[str] | None = None) -> None:

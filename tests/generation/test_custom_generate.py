@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from conftest import make_drafter, make_target
 from helpers import make_batch
@@ -14,11 +15,18 @@ from helpers import make_batch
 from hf_specformer.hub import export_drafter
 
 
-def test_custom_generate_in_clean_process(tmp_path):
+@pytest.mark.parametrize("writer", ["export_drafter", "save_pretrained"])
+def test_custom_generate_in_clean_process(tmp_path, writer):
+    """Either way of writing the folder (`export_drafter`, or the model's own `save_pretrained`) gives a folder that
+    serves `custom_generate` with nothing of this package installed."""
     target = make_target("qwen3")
     drafter = make_drafter(target)
-    folder = export_drafter(drafter, tmp_path / "drafter")
-    assert (folder / "custom_generate" / "generate.py").exists()
+    if writer == "export_drafter":
+        folder = export_drafter(drafter, tmp_path / "drafter")
+    else:
+        folder = tmp_path / "drafter"
+        drafter.save_pretrained(folder)
+    assert (folder / "custom_generate" / "generate.py").exists() and (folder / "README.md").exists()
     target.save_pretrained(tmp_path / "target")
     input_ids, mask = make_batch(4, seed=9)
     torch.save({"input_ids": input_ids, "attention_mask": mask}, tmp_path / "inputs.pt")

@@ -10,6 +10,7 @@ from helpers import PAD, TEST_STEP_COSTS, assert_same_as_generate, make_batch, n
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    GenerationConfig,
     Lfm2Config,
     Lfm2ForCausalLM,
     LogitsProcessorList,
@@ -253,3 +254,40 @@ def test_cpu_speedups_switch(cpu_speedups):
                       cpu_speedups=cpu_speedups)
     assert torch.equal(output, reference)
     assert witness.seen == ({"hf_specformer_gqa_sdpa"} if cpu_speedups else {"sdpa"})
+
+
+# ----- transformers' argument names ------------------------------------------------------------------------------
+@pytest.mark.parametrize("theirs, ours", [
+    ({"num_assistant_tokens": 2}, {"num_draft_tokens": 2}),
+    ({"num_assistant_tokens": 0}, {"num_draft_tokens": 0}),
+    ({"prompt_lookup_num_tokens": 3}, {"num_draft_tokens": 3}),
+    ({"prompt_lookup_num_tokens": 0}, {"lookup_ngram_size": 0}),
+    ({"max_matching_ngram_size": 2}, {"lookup_ngram_size": 2}),
+    ({"assistant_confidence_threshold": 0.4, "num_assistant_tokens_schedule": "constant"},
+     {"confidence_threshold": 0.4, "schedule": "fixed"}),
+])
+@pytest.mark.parametrize("where", ["arguments", "generation_config"])
+def test_transformers_names_do_what_ours_do(theirs, ours, where):
+    target = make_target("qwen3")
+    input_ids, mask = make_batch(4, seed=12)
+    base = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=PAD,
+                step_costs=TEST_STEP_COSTS, return_dict_in_generate=True)
+    drafter = make_drafter(target)
+    if where == "arguments":
+        output = generate(target, assistant_model=drafter, **base, **theirs)
+    else:
+        config = GenerationConfig(**{**target.generation_config.to_dict(), **theirs})
+        output = generate(target, assistant_model=drafter, generation_config=config, **base)
+    expected = generate(target, assistant_model=make_drafter(target), **base, **ours)
+    assert torch.equal(output.sequences, expected.sequences)
+    assert output.speculation_stats.to_dict() == expected.speculation_stats.to_dict()
+    assert torch.equal(output.sequences, target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=14,
+                                                         do_sample=False, pad_token_id=PAD))
+
+
+def test_disagreeing_names_raise():
+    target = make_target("llama")
+    input_ids, mask = make_batch(2)
+    with pytest.raises(ValueError, match="num_draft_tokens=3 disagrees"):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                 num_draft_tokens=3, num_assistant_tokens=2, max_new_tokens=4)

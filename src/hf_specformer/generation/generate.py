@@ -7,6 +7,7 @@ Two ways in, same function:
 
 This file is the drafter folder's `custom_generate/generate.py` (bundled with its sibling modules), so it imports
 only torch, transformers (and numpy, which transformers requires) and siblings. Arguments beyond `generate`'s:
+    model: the target, a causal LM or a PEFT model of one (a LoRA-adapted target runs with its adapters).
     assistant_model: a SpecFormer drafter (bound to `model` here if it is not yet) or a `Proposer`.
     num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`; 0: plain
         decoding, transformers' own loop).
@@ -25,6 +26,9 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         (`products.py`, `attention.py`; default True). Never applied on GPUs.
     confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative draft
         probability is at least this (default 0: all k; looked-up drafts count as certain).
+transformers' names are accepted too, as arguments or in a `GenerationConfig`: `num_assistant_tokens` (k),
+`assistant_confidence_threshold`, `max_matching_ngram_size` (lookup n-gram), `prompt_lookup_num_tokens` (lookup
+on, k; 0: off) and `num_assistant_tokens_schedule` ("constant": fixed, "heuristic": goodput).
 Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
 (`SpecStats`: steps, tokens per step per row, acceptance per drafted position, widths chosen, predicted vs
 realised acceptance). After every call the same statistics are on the assistant as
@@ -52,6 +56,12 @@ from .validation import (
 
 LOOKUP_NGRAM_SIZE = 4
 """Default longest n-gram of prompt lookup (see `PromptLookupProposer` for the measurement behind it)."""
+
+TRANSFORMERS_NAMES = ("num_assistant_tokens", "assistant_confidence_threshold", "max_matching_ngram_size",
+                      "prompt_lookup_num_tokens", "num_assistant_tokens_schedule")
+"""transformers' assisted-generation arguments that this `generate` reads (`_speculation_arguments`)."""
+
+TRANSFORMERS_SCHEDULES = {"constant": "fixed", "heuristic": "goodput", "heuristic_transient": "goodput"}
 
 
 def _make_proposer(model, assistant_model, num_draft_tokens: int | None, lookup_ngram_size: int) -> Proposer:
@@ -123,6 +133,61 @@ def _check_speculation_arguments(num_draft_tokens, lookup_ngram_size, compaction
         raise ValueError(f"confidence_threshold={confidence_threshold} must be between 0 and 1.")
 
 
+def _unwrap_peft(model):
+    """A PEFT `PeftModel` target -> its base model, whose layers carry the adapters (LoRA layers wrap the base
+    layers in place), so the engine runs the adapted target; any other model is returned as is. (Duck-typed: this
+    file may not import peft.)"""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def _speculation_arguments(config: GenerationConfig, num_draft_tokens, lookup_ngram_size, confidence_threshold,
+                           schedule) -> tuple:
+    """Our arguments, completed from transformers' assisted-generation names found in the resolved `config` (passed
+    to `generate` or set in a `GenerationConfig`): num_assistant_tokens -> num_draft_tokens,
+    assistant_confidence_threshold -> confidence_threshold (with the fixed schedule), max_matching_ngram_size ->
+    lookup_ngram_size, prompt_lookup_num_tokens -> lookup on (0: off) and k, num_assistant_tokens_schedule
+    "constant" -> schedule "fixed", "heuristic"/"heuristic_transient" -> "goodput". ValueError where both names are
+    given and disagree. Returns (num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule) with our
+    defaults filled in."""
+    ours = {"num_draft_tokens": num_draft_tokens, "lookup_ngram_size": lookup_ngram_size,
+            "confidence_threshold": confidence_threshold, "schedule": schedule}
+    lookup_tokens, their_k = config.prompt_lookup_num_tokens, config.num_assistant_tokens
+    if lookup_tokens:
+        if their_k not in (None, lookup_tokens):
+            raise ValueError(f"prompt_lookup_num_tokens={lookup_tokens} and num_assistant_tokens={their_k} disagree: "
+                             "lookup and the drafter propose the same k drafts.")
+        their_k = lookup_tokens
+    theirs = {
+        "num_draft_tokens": their_k,
+        "lookup_ngram_size": 0 if lookup_tokens == 0 else config.max_matching_ngram_size,
+        "confidence_threshold": config.assistant_confidence_threshold,
+        "schedule": TRANSFORMERS_SCHEDULES.get(config.num_assistant_tokens_schedule),
+    }
+    for name, value in theirs.items():
+        if value is None:
+            continue
+        if ours[name] is not None and ours[name] != value:
+            raise ValueError(f"{name}={ours[name]!r} disagrees with transformers' equivalent ({value!r}); pass one.")
+        ours[name] = value
+    lookup = LOOKUP_NGRAM_SIZE if ours["lookup_ngram_size"] is None else ours["lookup_ngram_size"]
+    threshold = CONFIDENCE_THRESHOLD if ours["confidence_threshold"] is None else ours["confidence_threshold"]
+    return ours["num_draft_tokens"], lookup, threshold, ours["schedule"]
+
+
+def _without(generation_config: GenerationConfig | None, kwargs: dict, names) -> GenerationConfig | None:
+    """Removes `names` from `kwargs` (in place) and returns `generation_config` without them (a copy where it set
+    any): arguments this function handles itself, which `GenerationMixin.generate` must not act on."""
+    for name in names:
+        kwargs.pop(name, None)
+    if generation_config is not None and any(getattr(generation_config, name, None) is not None for name in names):
+        generation_config = copy.deepcopy(generation_config)
+        for name in names:
+            setattr(generation_config, name, None)
+    return generation_config
+
+
 def _stop_string_criteria(config: GenerationConfig, generation_config, stopping_criteria, kwargs: dict):
     """`stop_strings` as a `StopStringCriteria` among the stopping criteria, and the configs without them:
     `GenerationMixin.generate` drops `tokenizer=` when the decoding method is a callable, so it could not build the
@@ -133,11 +198,8 @@ def _stop_string_criteria(config: GenerationConfig, generation_config, stopping_
     if tokenizer is None:
         raise ValueError("stop_strings need the target's tokenizer: pass `tokenizer=`.")
     criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings)
-    kwargs["stop_strings"] = None
-    if generation_config is not None and generation_config.stop_strings:
-        generation_config = copy.deepcopy(generation_config)
-        generation_config.stop_strings = None
-    return StoppingCriteriaList([*(stopping_criteria or []), criterion]), generation_config
+    return StoppingCriteriaList([*(stopping_criteria or []), criterion]), \
+        _without(generation_config, kwargs, ["stop_strings"])
 
 
 def _acceptance_table(assistant_model, companion_model) -> dict | None:
@@ -161,9 +223,9 @@ def generate(
     negative_prompt_ids: torch.Tensor | None = None,
     negative_prompt_attention_mask: torch.Tensor | None = None,
     num_draft_tokens: int | None = None,
-    lookup_ngram_size: int = LOOKUP_NGRAM_SIZE,
+    lookup_ngram_size: int | None = None,
     compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION,
-    confidence_threshold: float = CONFIDENCE_THRESHOLD,
+    confidence_threshold: float | None = None,
     schedule: str | None = None,
     companion_model=None,
     step_costs=None,
@@ -171,10 +233,15 @@ def generate(
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
-    _check_speculation_arguments(num_draft_tokens, lookup_ngram_size, compaction_hole_fraction, confidence_threshold)
     if prefix_allowed_tokens_fn is not None or negative_prompt_ids is not None:
         raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
+    model = _unwrap_peft(model)
     config, unused = resolved_config(model, generation_config, kwargs)
+    num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule = _speculation_arguments(
+        config, num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule
+    )
+    generation_config = _without(generation_config, kwargs, TRANSFORMERS_NAMES)
+    _check_speculation_arguments(num_draft_tokens, lookup_ngram_size, compaction_hole_fraction, confidence_threshold)
     input_ids = inputs if inputs is not None else unused.get("input_ids")
     if input_ids is None:
         raise ValueError("Pass `input_ids` (or `inputs`): speculative generation needs a prompt.")

@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+
+def _yaml_results(lines: list[str]) -> str:
+    """The `results:` value of a model-index entry: the metric lines on the lines below, or ` []` inline."""
+    return "".join("\n" + line for line in lines) if lines else " []"
+
+
 LOOKUP_SUFFIX = "+lookup"
 """Suffix of a benchmark mode that runs a drafter with prompt lookup on top (`hf-specformer bench --lookup`)."""
 
@@ -21,8 +27,7 @@ tags:
 license: apache-2.0
 model-index:
 - name: {name}
-  results:
-{results}
+  results:{results}
 ---
 
 # {name}
@@ -135,7 +140,7 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
     evaluation, eval_metrics = _evaluation_section(eval_report)
     benchmark, bench_metrics = _benchmark_section(bench_report, drafter_mode)
     base_model = _base_model(config.target_name_or_path)
-    results = "\n".join(eval_metrics + bench_metrics) or "  []"
+    results = _yaml_results(eval_metrics + bench_metrics)
     draft_vocab = f"the whole vocabulary ({config.vocab_size} tokens)" if config.draft_vocab_size is None else (
         f"{config.draft_vocab_size} tokens (the most frequent reply tokens of the distilled data: the draft head reads "
         f"{config.draft_vocab_size} of the lm_head's {config.vocab_size} rows; verification uses all of them)"
@@ -163,8 +168,7 @@ tags:
 license: apache-2.0
 model-index:
 - name: {name}
-  results:
-{results}
+  results:{results}
 ---
 
 # {name}
@@ -259,7 +263,7 @@ def render_companion_card(companion, eval_path: str | None = None, calibration_p
         else f"the whole vocabulary ({config.vocab_size})"
     return COMPANION_CARD_TEMPLATE.format(
         base_model=_base_model(config.target_name_or_path), name=name, drafter=drafter,
-        results="\n".join(calibration_metrics + bench_metrics) or "  []", params=companion.num_parameters() / 1e6,
+        results=_yaml_results(calibration_metrics + bench_metrics), params=companion.num_parameters() / 1e6,
         width=config.companion_size, vocab=vocab, training=_companion_training_section(read(eval_path)),
         calibration=calibration, benchmark=benchmark,
     )

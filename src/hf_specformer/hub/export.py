@@ -1,4 +1,9 @@
-"""Writes the Hub folder of a drafter: weights, config with `auto_map`, model code, `custom_generate/`, card.
+"""Writes the Hub folder of a drafter: weights, config with `auto_map`, model code, `custom_generate/`, card; and
+publishes it (`push_folder`, `huggingface_hub`).
+
+`save_pretrained` (and so `push_to_hub`) of both models writes the complete folder when this package is installed
+(`complete_hub_folder`); `export_drafter` / `export_companion` add a dtype cast, a card from measurements and an
+atomic write.
 
     drafter_dir/
       config.json  model.safetensors  configuration_specformer.py  modeling_specformer.py   (save_pretrained)
@@ -19,11 +24,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
 
 from .. import generation, models
+from . import cards
 
 CUSTOM_GENERATE_DIR = "custom_generate"
+
+REQUIREMENTS = ("torch>=2.4", "transformers>=5.17")
+"""`custom_generate/requirements.txt`: this package's floors (pyproject.toml; a test keeps them equal), never the
+exporting machine's versions. Plain `pkg>=X.Y` lines: transformers parses nothing else."""
 
 
 def generation_sources() -> list[Path]:
@@ -38,30 +48,67 @@ def write_custom_generate(folder: str | os.PathLike) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     for source in generation_sources():
         shutil.copyfile(source, target / source.name)
-    requirements = f"torch>={torch.__version__.split('+')[0]}\ntransformers>={transformers.__version__}\n"
-    (target / "requirements.txt").write_text(requirements)
+    (target / "requirements.txt").write_text("".join(f"{requirement}\n" for requirement in REQUIREMENTS))
     return target
+
+
+def complete_hub_folder(model, folder: str | os.PathLike) -> None:
+    """What both models' `save_pretrained` (and so `push_to_hub`) add when this package is installed: a drafter's
+    folder gets `custom_generate/`, and a folder without a `README.md` gets a model card rendered from the model."""
+    folder = Path(folder)
+    is_drafter = model.config.model_type == "specformer"
+    if is_drafter:
+        write_custom_generate(folder)
+    if not (folder / "README.md").exists():
+        render = cards.render_card if is_drafter else cards.render_companion_card
+        write_card(folder, render(model, name=folder.name))
+
+
+def write_card(folder: str | os.PathLike, text: str) -> None:
+    """Writes `README.md` once `huggingface_hub.ModelCard` has parsed its YAML metadata (an error if it cannot), as
+    written (ModelCard would re-serialise the metadata)."""
+    ModelCard(text)
+    (Path(folder) / "README.md").write_text(text)
+
+
+def commit_operations(folder: str | os.PathLike) -> list[CommitOperationAdd]:
+    """One `CommitOperationAdd` per file of an exported folder (caches and temporary files left out)."""
+    folder = Path(folder)
+    return [
+        CommitOperationAdd(path_in_repo=path.relative_to(folder).as_posix(), path_or_fileobj=str(path))
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts and not path.name.startswith(".")
+    ]
+
+
+def push_folder(folder: str | os.PathLike, repo_id: str, api: HfApi | None = None, private: bool = False,
+                commit_message: str = "Upload with hf-specformer"):
+    """Publishes an exported folder to the Hub model repo `repo_id` (created if needed) in one commit; returns the
+    commit info. Needs network access and a token (`hf auth login` or `HF_TOKEN`)."""
+    api = api or HfApi()
+    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    return api.create_commit(repo_id, operations=commit_operations(folder), commit_message=commit_message,
+                             repo_type="model")
 
 
 def refresh_code(folder: str | os.PathLike) -> None:
     """Rewrites the remote code of an exported folder from the package (a drafter's model files and
-    `custom_generate/` modules, or a companion's model files), keeping its weights, config, card and
-    `custom_generate/requirements.txt`. `make shipped-code` runs it on the folders shipped in the package."""
+    `custom_generate/`, or a companion's model files), keeping its weights, config and card. `make shipped-code`
+    runs it on the folders shipped in the package."""
     folder = Path(folder)
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
     package = Path(models.__file__).parent / {"specformer": "specformer", "sv_companion": "companion"}[model_type]
     for source in [*package.glob("configuration_*.py"), *package.glob("modeling_*.py")]:
         shutil.copyfile(source, folder / source.name)
     if (folder / CUSTOM_GENERATE_DIR).is_dir():
-        for source in generation_sources():
-            shutil.copyfile(source, folder / CUSTOM_GENERATE_DIR / source.name)
+        write_custom_generate(folder)
 
 
 def export_drafter(
     drafter, folder: str | os.PathLike, model_card: str | None = None, dtype: torch.dtype | None = None
 ) -> Path:
     """Saves `drafter` (optionally cast to `dtype`) as a complete Hub folder with `custom_generate/`."""
-    return _export(drafter, folder, model_card, dtype, with_custom_generate=True)
+    return _export(drafter, folder, model_card, dtype)
 
 
 def export_companion(
@@ -70,21 +117,19 @@ def export_companion(
     """Saves a `CompanionForVerification` (optionally cast to `dtype`) as a Hub folder: weights, config (with its
     calibrated table and `auto_map`), code and card. It is used through a drafter's `custom_generate`
     (`companion_model=`), so it carries none of its own."""
-    return _export(companion, folder, model_card, dtype, with_custom_generate=False)
+    return _export(companion, folder, model_card, dtype)
 
 
-def _export(model, folder, model_card, dtype, with_custom_generate: bool) -> Path:
+def _export(model, folder, model_card, dtype) -> Path:
     """Written to a temporary folder first and moved into place, so an interrupted export never leaves a
     half-written folder behind."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.") as staging:
         to_save = model if dtype is None else _cast_copy(model, dtype)
-        to_save.save_pretrained(staging)
-        if with_custom_generate:
-            write_custom_generate(staging)
+        to_save.save_pretrained(staging)  # with custom_generate/ (drafters) and a default card, see above
         if model_card is not None:
-            Path(staging, "README.md").write_text(model_card)
+            write_card(staging, model_card)
         _make_readable(Path(staging))
         if folder.exists():
             shutil.rmtree(folder)

@@ -99,6 +99,18 @@ class CompanionPreTrainedModel(PreTrainedModel):
     base_model_prefix = "companion"
     _no_split_modules = ["CompanionChainBlock"]
 
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained` (also what `push_to_hub` uploads), completed into a Hub folder where the
+        hf_specformer package is installed (`hub.export.complete_hub_folder`: a drafter's `custom_generate/`, a
+        model card where there is none); remote code without the package writes weights, config and code only."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        try:
+            import hf_specformer.hub.export as hub_export
+        except ImportError:
+            return
+        if kwargs.get("is_main_process", True):
+            hub_export.complete_hub_folder(self, save_directory)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
