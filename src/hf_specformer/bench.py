@@ -314,7 +314,10 @@ def measure_goodput_costs(target, tokenizer, prompts, config: BenchConfig, draft
 
 def plot(results: list[dict], path: Path) -> None:
     """Speedup per batch size for each mode, with the cost-model limit."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError("The benchmark's plot needs matplotlib: pip install 'hf-specformer[plot]'.") from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

