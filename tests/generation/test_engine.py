@@ -12,7 +12,7 @@ from transformers.generation.streamers import BaseStreamer
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
 from hf_specformer.generation.engine import target_forward
 from hf_specformer.generation.products import FewRowLinears
-from hf_specformer.training.train_drafter import next_token_ids
+from hf_specformer.training.target_states import next_token_ids
 
 # name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
 CASES = {

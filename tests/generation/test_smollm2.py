@@ -70,12 +70,14 @@ def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
         assert is_tie, f"row {row} diverges at column {column} where the top-2 gap is {gap:.2e} (not a tie)"
 
 
-def test_demo_runs_with_the_shipped_drafter(capsys):
+def test_demo_runs_with_the_shipped_drafter(capsys, tmp_path):
     """The README's main command, small: the shipped drafter drafts (with its next-token input) and generates, with
-    the shipped default k = 3."""
+    the shipped default k = 3, and saves its plot."""
     from hf_specformer import demo
 
-    results = demo.main(["--batch-size", "2", "--max-new-tokens", "16", "--schedule", "fixed"])
+    results = demo.main(["--batch-size", "2", "--max-new-tokens", "16", "--schedule", "fixed",
+                         "--plot", str(tmp_path / "demo.png")])
+    assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
     assert [result["batch_size"] for result in results] == [1, 2]
     assert all(result["identical"] and result["num_draft_tokens"] == 3 for result in results)
     assert results[0]["tokens_per_step"] > 1.0

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_specformer.targets import load_tokenizer
 from hf_specformer.training.data import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.training.distill import append_records, cut_after_eos, distill, read_records
-from hf_specformer.training.train_drafter import load_distilled
+from hf_specformer.training.distilled import load_distilled
 
 PROMPTS = [
     "Hi!",

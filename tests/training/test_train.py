@@ -20,25 +20,17 @@ import torch.nn.functional as F
 from conftest import TINY_VOCAB, make_drafter, make_target
 from datasets import Dataset
 
-from hf_specformer.training.train_drafter import (
-    IGNORE_INDEX,
-    DrafterTrainingConfig,
-    acceptance_steps,
-    build_drafter,
-    build_optimizer,
-    collate,
+from hf_specformer.training.config import DrafterTrainingConfig
+from hf_specformer.training.distilled import collate, load_distilled, reply_vocabulary
+from hf_specformer.training.evaluation import acceptance_steps, evaluate_kappa
+from hf_specformer.training.losses import IGNORE_INDEX, intra_batch_backward, sample_positions, slot_labels
+from hf_specformer.training.target_states import (
     TargetStateCache,
-    evaluate_kappa,
     future_states,
     hooked_target_states,
-    intra_batch_backward,
-    load_distilled,
-    reply_vocabulary,
-    sample_positions,
-    slot_labels,
     target_hidden_states,
-    train,
 )
+from hf_specformer.training.train_drafter import build_drafter, build_optimizer, train
 
 CYCLE = list(range(10, 17))
 

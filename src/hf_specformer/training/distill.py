@@ -245,7 +245,8 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     """`--target`, `--device`, `--dtype` and `--threads`: which target generates, and where."""
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
     parser.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="target dtype (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 

@@ -1,0 +1,124 @@
+"""Self-distilled data for training: loading (a `distill` output, a saved dataset or a records file), the
+reply vocabulary, the train/held-out split, the seeded order of micro-batches and their collation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from datasets import Dataset, DatasetDict, load_from_disk
+
+from hf_specformer.training.distill import DATASET_DIR, PROGRESS_DIR, RECORDS_FILE
+
+
+def load_distilled(path: str | os.PathLike) -> Dataset:
+    """Self-distilled sequences with columns `input_ids` and `prompt_length`.
+
+    `path` is a distill output folder (its finished `dataset/`, else the `progress/records.jsonl` of a run in
+    progress, read without modifying it and ignoring a last line cut by a concurrent write) or a folder written by
+    `save_to_disk`. Records are ordered by `id` when there is one.
+    """
+    path = Path(path)
+    records_path = path / PROGRESS_DIR / RECORDS_FILE
+    if (path / DATASET_DIR).is_dir():
+        dataset = _load_saved(path / DATASET_DIR)
+    elif records_path.is_file():
+        dataset = Dataset.from_list(_read_complete_records(records_path))
+    elif path.is_dir():
+        dataset = _load_saved(path)
+    else:
+        raise FileNotFoundError(f"No distilled data at {path}: expected a distill output folder or a saved dataset.")
+    missing = {"input_ids", "prompt_length"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"The data at {path} lacks the columns {sorted(missing)}.")
+    return dataset.select_columns(["input_ids", "prompt_length"])
+
+
+def _load_saved(path: Path) -> Dataset:
+    """A `save_to_disk` folder as one Dataset (the `train` split of a DatasetDict)."""
+    loaded = load_from_disk(str(path))
+    return loaded["train"] if isinstance(loaded, DatasetDict) else loaded
+
+
+def _read_complete_records(path: Path) -> list[dict]:
+    """The complete JSON lines of `path` (a last line without newline is ignored), deduplicated and sorted by id."""
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1].decode()
+    lines = [line for line in complete.split("\n") if line]  # not splitlines(): prompts may hold U+2028
+    records = {record["id"]: record for record in map(json.loads, lines)}
+    return [
+        {"input_ids": record["input_ids"], "prompt_length": record["prompt_length"]}
+        for _, record in sorted(records.items())
+    ]
+
+
+def reply_vocabulary(dataset: Dataset, size: int) -> list[int]:
+    """The `size` most frequent reply tokens (after `prompt_length`) of `dataset`, most frequent first, ties by id;
+    all of them when fewer distinct tokens occur."""
+    counts = Counter()
+    for ids, prompt_length in zip(dataset["input_ids"], dataset["prompt_length"]):
+        counts.update(ids[prompt_length:])
+    return sorted(counts, key=lambda token: (-counts[token], token))[:size]
+
+
+def trainable_indices(dataset: Dataset, max_length: int) -> list[int]:
+    """Rows that, cut to `max_length`, keep at least one reply token two positions after a context position."""
+    lengths = (min(len(ids), max_length) for ids in dataset["input_ids"])
+    return [
+        row for row, (length, prompt_length) in enumerate(zip(lengths, dataset["prompt_length"]))
+        if length > prompt_length and length >= 3
+    ]
+
+
+def split_train_eval(dataset: Dataset, max_length: int, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """Train and held-out splits of the usable rows, by a shuffle seeded with `seed`."""
+    rows = trainable_indices(dataset, max_length)
+    random.Random(seed).shuffle(rows)
+    num_eval = max(1, round(len(rows) * eval_fraction)) if eval_fraction > 0 else 0
+    if len(rows) - num_eval < 1:
+        raise ValueError(f"{len(rows)} usable sequences leave none for training with eval_fraction={eval_fraction}.")
+    return dataset.select(sorted(rows[num_eval:])), dataset.select(sorted(rows[:num_eval]))
+
+
+def epoch_batches(num_rows: int, batch_size: int, num_processes: int, process_index: int, epoch: int, seed: int):
+    """Row indices of this process's micro-batches in `epoch`: a seeded shuffle cut into global batches of
+    `batch_size * num_processes` (the last one topped up from the start of the order), each split by process."""
+    order = list(range(num_rows))
+    random.Random(f"order-{seed}-{epoch}").shuffle(order)
+    global_size = batch_size * num_processes
+    num_batches = math.ceil(num_rows / global_size)
+    padded = (order * math.ceil(num_batches * global_size / num_rows))[: num_batches * global_size]
+    start = process_index * batch_size
+    return [padded[b * global_size + start : b * global_size + start + batch_size] for b in range(num_batches)]
+
+
+@dataclass
+class Batch:
+    """A right-padded micro-batch: `input_ids`, `attention_mask` `[B, T]`, `lengths`, `prompt_lengths` `[B]`."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lengths: torch.Tensor
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(getattr(self, item.name).to(device) for item in fields(self)))
+
+
+def collate(rows: dict[str, list], max_length: int, pad_token_id: int = 0) -> Batch:
+    """Right-pads the sequences of `rows` (columns `input_ids`, `prompt_length`) after cutting them to max_length."""
+    sequences = [list(ids[:max_length]) for ids in rows["input_ids"]]
+    width = max(len(sequence) for sequence in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[row, : len(sequence)] = 1
+    lengths = attention_mask.sum(-1)
+    return Batch(input_ids, attention_mask, lengths, torch.tensor(rows["prompt_length"], dtype=torch.long))

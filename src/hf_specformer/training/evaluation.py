@@ -1,0 +1,87 @@
+"""Held-out evaluation of a drafter: teacher-forced accepted length kappa(k) and per-slot accuracy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import PreTrainedModel
+
+from hf_specformer.models.specformer import SpecFormerForDrafting
+from hf_specformer.training.target_states import hooked_target_states, next_token_ids
+
+
+def acceptance_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int) -> list[int]:
+    """Teacher-forced decoding steps of one sequence with k drafts per step (official `validate.py`).
+
+    `drafts[r]` `[max_k]` are the draft tokens at position `start + r` (slot j guesses x_{start+r+2+j}), `tokens`
+    `[L]` the sequence. From i = start, while all k labels x_{i+2 .. i+1+k} exist: step = 1 (the target's own
+    token) + length of the matched draft prefix, i += step. Returns the steps.
+    """
+    steps, position, length = [], start, tokens.shape[0]
+    while position + 1 + k < length:
+        matches = drafts[position - start, :k] == tokens[position + 2 : position + 2 + k]
+        step = 1 + int(matches.long().cumprod(0).sum())
+        steps.append(step)
+        position += step
+    return steps
+
+
+@torch.no_grad()
+def draft_tokens(
+    target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor, start: int, max_k: int,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Argmax drafts `[L - 2 - start, max_k]` of one sequence `[L]` at positions start .. L - 3 (those with a label),
+    computed `chunk_size` positions at a time to bound the `[chunk, max_k, V]` logits."""
+    ids = input_ids[None]
+    hooked = hooked_target_states(target, drafter, ids, torch.ones_like(ids))
+    positions = torch.arange(start, ids.shape[1] - 2, device=ids.device)
+    following = next_token_ids(ids)
+    chunks = [
+        drafter(hooked, use_cache=False, draft_positions=chunk[None], num_draft_tokens=max_k,
+                next_token_ids=following).logits[0].argmax(-1)
+        for chunk in positions.split(chunk_size)
+    ]
+    return torch.cat(chunks) if chunks else torch.zeros((0, max_k), dtype=torch.long, device=ids.device)
+
+
+@torch.no_grad()
+def evaluate_kappa(
+    target: PreTrainedModel, drafter: SpecFormerForDrafting, dataset: Iterable[dict], max_k: int
+) -> dict:
+    """Teacher-forced accepted length kappa(k) for k = 1..max_k and per-slot top-1 accuracy on held-out sequences.
+
+    `dataset` yields rows with `input_ids` (already cut to length) and `prompt_length`. The walk of each sequence
+    starts at its last prompt position (where the target emits the first reply token) and counts the target's own
+    token, which equals the label because the data is the target's greedy output. kappa(k) = total steps' tokens /
+    number of steps over all sequences, in [1, k + 1]. Returns `{"kappa": [max_k floats], "slot_accuracy":
+    [max_k floats], "num_sequences": int, "num_positions": int}`.
+    """
+    was_training = drafter.training
+    drafter.eval()
+    device = next(drafter.parameters()).device
+    steps = [[] for _ in range(max_k)]
+    hits, counts = torch.zeros(max_k), torch.zeros(max_k)
+    num_sequences = num_positions = 0
+    for row in dataset:
+        tokens = torch.tensor(row["input_ids"], dtype=torch.long, device=device)
+        start = max(int(row["prompt_length"]) - 1, 0)
+        drafts = draft_tokens(target, drafter, tokens, start, max_k)
+        if drafts.shape[0] == 0:
+            continue
+        for k in range(1, max_k + 1):
+            steps[k - 1].extend(acceptance_steps(drafts, tokens, start, k))
+        for slot in range(max_k):
+            labels = tokens[start + 2 + slot :]  # slot j at position start + r guesses x_{start + r + 2 + j}
+            hits[slot] += (drafts[: labels.shape[0], slot] == labels).sum().item()
+            counts[slot] += labels.shape[0]
+        num_sequences += 1
+        num_positions += drafts.shape[0]
+    drafter.train(was_training)
+    return {
+        "kappa": [sum(s) / len(s) if s else float("nan") for s in steps],
+        "slot_accuracy": (hits / counts.clamp(min=1)).tolist(),
+        "num_sequences": num_sequences,
+        "num_positions": num_positions,
+    }

@@ -1,0 +1,118 @@
+"""The training objective: sampled positions, per-slot labels (the reply's future tokens), cross-entropy and
+feature losses, and their intra-batch gradient accumulation (`intra_batch_backward`)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from hf_specformer.models.specformer import SpecFormerForDrafting
+from hf_specformer.training.distilled import Batch
+
+IGNORE_INDEX = -100
+"""Label of positions without a target token (cross-entropy skips them)."""
+
+
+def sample_positions(
+    lengths: Sequence[int], prompt_lengths: Sequence[int], per_sequence: int, rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions t where the slot stage runs: x_{t+2} exists and lies in the reply (t + 2 >= prompt length).
+
+    Draws `per_sequence` of them per sequence without replacement (all with 0 or when there are fewer), in random
+    order, so that the first columns are a random subset of the drawn ones. Returns positions `[B, P]` (padded with
+    0) and their validity mask `[B, P]`.
+    """
+    chosen = []
+    for length, prompt_length in zip(lengths, prompt_lengths):
+        valid = range(max(int(prompt_length) - 2, 0), int(length) - 2)
+        chosen.append(rng.sample(valid, len(valid) if per_sequence == 0 else min(per_sequence, len(valid))))
+    width = max(1, max(len(picked) for picked in chosen))
+    positions = torch.zeros((len(chosen), width), dtype=torch.long)
+    mask = torch.zeros((len(chosen), width), dtype=torch.bool)
+    for row, picked in enumerate(chosen):
+        positions[row, : len(picked)] = torch.tensor(picked, dtype=torch.long)
+        mask[row, : len(picked)] = True
+    return positions, mask
+
+
+def slot_labels(batch: Batch, positions: torch.Tensor, mask: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Labels `[B, P, l_d]`: x_{t+2+j} for slot j at position t, `-100` outside the reply, past the sequence's end
+    or at padded positions."""
+    index = positions[..., None] + 2 + torch.arange(num_slots, device=positions.device)  # [B, P, l_d]
+    tokens = batch.input_ids.gather(1, index.clamp(max=batch.input_ids.shape[1] - 1).flatten(1)).view_as(index)
+    inside = (index < batch.lengths[:, None, None]) & (index >= batch.prompt_lengths[:, None, None])
+    return tokens.masked_fill(~(inside & mask[..., None]), IGNORE_INDEX)
+
+
+def slot_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (in float32 at least) of logits `[..., V]` against labels `[...]` over the labels != -100
+    (0 if there are none)."""
+    logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
+    total = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+class SlotLosses(NamedTuple):
+    """Losses of one micro-batch (floats): `total = mean_j (cross_entropy[j] + w * feature[j])`."""
+
+    total: float
+    cross_entropy: list[float]
+    feature: list[float]
+
+
+def slot_feature_loss(normalized: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean smooth-L1 (summed over d) between normalized slot states `[..., d]` and the target's last hidden states
+    `[..., d]` over the entries whose `labels` `[...]` are not -100 (0 if there are none)."""
+    dtype = torch.promote_types(normalized.dtype, torch.float32)
+    distance = F.smooth_l1_loss(normalized.to(dtype), targets.to(dtype), reduction="none").sum(-1)
+    valid = labels != IGNORE_INDEX
+    return (distance * valid).sum() / valid.sum().clamp(min=1)
+
+
+def intra_batch_backward(
+    drafter: SpecFormerForDrafting,
+    slot_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    backward: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    feature_targets: torch.Tensor | None = None,
+    feature_weight: float = 0.0,
+    num_ce_positions: int = 0,
+) -> SlotLosses:
+    """Backward of `mean_j (CE_j + w * feature_j)`, one slot's vocabulary-sized logits at a time (paper sec. 3).
+
+    Args:
+        drafter: the (unwrapped, bound) drafter whose `compute_logits` applies the target's norm and head.
+        slot_hidden: slot states `[B, P, l_d, d]` still attached to the SpecFormer graph.
+        labels: `[B, P, l_d]`, -100 where a slot has no target token.
+        backward: `backward(tensor, gradient)` for the final backward through SpecFormer, e.g. a wrapper of
+            `accelerator.backward`; default `tensor.backward(gradient)`.
+        feature_targets: `[B, P, l_d, d]` the target's last hidden state that predicts each slot's label; needed
+            when `feature_weight` > 0.
+        feature_weight: w (see `DrafterTrainingConfig.feature_loss_weight`).
+        num_ce_positions: the cross-entropy covers the first this many of the P positions (0: all).
+
+    The gradients equal those of the plain loss computed from all `[B, P, l_d, V]` logits at once, while only
+    `[B, P, V]` logits live at a time.
+    """
+    num_slots = slot_hidden.shape[2]
+    ce_columns = slice(0, num_ce_positions or None)
+    detached = slot_hidden.detach().requires_grad_()
+    cross_entropy, feature = [], []
+    for slot in range(num_slots):
+        states, slot_targets = detached[:, :, slot], labels[:, :, slot]
+        loss = slot_cross_entropy(drafter.compute_logits(states[:, ce_columns]), slot_targets[:, ce_columns])
+        cross_entropy.append(loss.detach())
+        if feature_weight > 0:
+            feature_loss = slot_feature_loss(drafter.normalize(states), feature_targets[:, :, slot], slot_targets)
+            feature.append(feature_loss.detach())
+            loss = loss + feature_weight * feature_loss
+        (loss / num_slots).backward()
+    (backward or torch.Tensor.backward)(slot_hidden, detached.grad)
+    cross_entropy = torch.stack(cross_entropy).tolist()
+    feature = torch.stack(feature).tolist() if feature else [0.0] * num_slots
+    total = sum(ce + feature_weight * f for ce, f in zip(cross_entropy, feature)) / num_slots
+    return SlotLosses(total, cross_entropy, feature)
