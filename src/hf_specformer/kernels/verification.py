@@ -7,8 +7,9 @@ Both follow their references in `generation/verification.py` exactly (names and 
   committed ones.
 - sampling: draft j is accepted when u_j * q_j(d_j) <= p_j(d_j) (float64); the last token is drawn by inverse CDF
   with the row's uniform r from max(p - q, 0) at the first rejection, or from p after the verified drafts (and from
-  p where the residual is empty); the CDF is accumulated in float64 block by block, so a token can differ from the
-  reference's `torch.cumsum` only where r falls within rounding of a CDF step.
+  p where the residual is empty): one pass over the vocabulary sums both masses, a second walks the CDF. It is
+  accumulated in float64 block by block, so a token can differ from the reference's `torch.cumsum` only where r
+  falls within rounding of a CDF step.
 """
 
 from __future__ import annotations
@@ -94,21 +95,17 @@ def _sampling_kernel(target_ptr, draft_ptr, drafts_ptr, num_drafts_ptr, uniforms
     p_base = target_ptr + (row * num_positions + position) * vocab_size
     q_base = draft_ptr + (row * num_slots + draft_position) * vocab_size
     residual_total = tl.full((), 0.0, tl.float64)
+    p_total = tl.full((), 0.0, tl.float64)
     for start in range(0, vocab_size, BLOCK):
         columns = start + offsets
         inside = columns < vocab_size
         p = tl.load(p_base + columns, mask=inside, other=0.0).to(tl.float64)
         q = tl.load(q_base + columns, mask=inside, other=0.0).to(tl.float64)
         residual_total += tl.sum(tl.maximum(p - subtract * q, 0.0), axis=0)
-    subtract = tl.where(residual_total > 0, subtract, 0.0)  # p == q exactly: rejection impossible, keep p
-    total = tl.full((), 0.0, tl.float64)
-    for start in range(0, vocab_size, BLOCK):
-        columns = start + offsets
-        inside = columns < vocab_size
-        p = tl.load(p_base + columns, mask=inside, other=0.0).to(tl.float64)
-        q = tl.load(q_base + columns, mask=inside, other=0.0).to(tl.float64)
-        total += tl.sum(tl.maximum(p - subtract * q, 0.0), axis=0)
-    goal = tl.load(last_uniform_ptr + row) * total
+        p_total += tl.sum(tl.maximum(p, 0.0), axis=0)
+    empty = residual_total <= 0  # p == q exactly: rejection impossible, keep p
+    subtract = tl.where(empty, 0.0, subtract)
+    goal = tl.load(last_uniform_ptr + row) * tl.where(empty, p_total, residual_total)
     running = tl.full((), 0.0, tl.float64)
     chosen = tl.full((), -1, tl.int64)
     last_positive = tl.full((), 0, tl.int64)

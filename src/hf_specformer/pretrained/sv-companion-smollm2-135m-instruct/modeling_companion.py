@@ -99,6 +99,7 @@ class CompanionPreTrainedModel(PreTrainedModel):
     base_model_prefix = "companion"
     _no_split_modules = ["CompanionChainBlock"]
 
+    # Copied from modeling_specformer.SpecFormerPreTrainedModel.save_pretrained (each Hub folder's code stands alone)
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained` (also what `push_to_hub` uploads), completed into a Hub folder where the
         hf_specformer package is installed (`hub.export.complete_hub_folder`: a drafter's `custom_generate/`, a
