@@ -113,7 +113,7 @@ def test_shipped_drafter_folder_carries_the_current_code():
     """The shipped Hub folder's remote code is the package's own (re-export it after changing either)."""
     from pathlib import Path
 
-    from hf_specformer.demo import shipped_drafter_dir
+    from hf_specformer.assistants import shipped_drafter_dir
     from hf_specformer.hub.export import generation_sources
 
     folder = shipped_drafter_dir()

@@ -1,7 +1,8 @@
-"""`hf-specformer` command line: demo, synthesize, distill, train, bench, export.
+"""`hf-specformer` command line: demo, generate, synthesize, distill, train, calibrate, bench, export.
 
     hf-specformer demo                      SmolLM2 + the shipped drafter: identical outputs, speedup
     hf-specformer synthesize --output F     the target writes user prompts itself (Magpie; resumable)
+    hf-specformer generate --prompts P --output DIR   batch generation, speculative (resumable, sharded)
     hf-specformer distill --output DIR      the target answers prompts (resumable self-distillation data)
     hf-specformer train --data DIR ...      train a drafter (also: accelerate launch -m hf_specformer.train)
     hf-specformer train-companion ...       train a Speculative Verification companion (also under accelerate)
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "demo": lambda rest: __import__("hf_specformer.demo", fromlist=["main"]).main(rest),
+        "generate": lambda rest: __import__("hf_specformer.batch_generation", fromlist=["main"]).main(rest),
         "synthesize": lambda rest: __import__("hf_specformer.training.synthesize", fromlist=["main"]).main(rest),
         "distill": lambda rest: __import__("hf_specformer.training.distill", fromlist=["main"]).main(rest),
         "train": lambda rest: __import__("hf_specformer.training.train_drafter", fromlist=["main"]).main(rest),

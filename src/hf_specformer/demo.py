@@ -11,42 +11,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoModel
 
+from .assistants import load_drafter
 from .generation import generate
 from .generation.generate import LOOKUP_NGRAM_SIZE
-from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, synchronize
 from .ties import classify_rows
 from .training.data import chat_prompt_ids, load_prompts
-
-SHIPPED_DRAFTER = "specformer-smollm2-135m-instruct"
-SHIPPED_COMPANION = "sv-companion-smollm2-135m-instruct"
-
-
-def shipped_drafter_dir() -> Path:
-    """Folder of the trained SmolLM2 drafter shipped inside the package (the Hub folder we publish)."""
-    return Path(str(resources.files("hf_specformer") / "pretrained" / SHIPPED_DRAFTER))
-
-
-def shipped_companion_dir() -> Path:
-    """Folder of the trained SmolLM2 Speculative Verification companion shipped inside the package."""
-    return Path(str(resources.files("hf_specformer") / "pretrained" / SHIPPED_COMPANION))
-
-
-def load_drafter(path: str | None, target) -> SpecFormerForDrafting:
-    """A drafter folder (remote-code loading, as a Hub user would), or a fresh one if `path` is `untrained`."""
-    if path == "untrained":
-        drafter = SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config)).to(target.dtype)
-        return drafter.eval().bind_target(target)
-    folder = Path(path) if path else shipped_drafter_dir()
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"No drafter at {folder}; pass --drafter DIR or --drafter untrained.")
-    return AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=target.dtype).eval().bind_target(target)
 
 
 @torch.no_grad()
@@ -76,7 +50,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or default_device())
     target = load_target(args.target, dtype=DTYPES[args.dtype], device=device)
     tokenizer = load_tokenizer(args.target)
-    drafter = load_drafter(args.drafter, target).to(device)
+    drafter = load_drafter(args.drafter, target)
     print(f"drafter: {drafter.num_parameters() / 1e6:.2f}M parameters (excluding the target's shared lm_head), "
           f"l_d={drafter.config.draft_length}, hooks={drafter.config.hook_layers}")
     prompts = load_prompts(args.prompts)[: args.batch_size]

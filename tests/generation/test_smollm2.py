@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_specformer import OracleProposer, SpecFormerConfig, SpecFormerForDrafting, generate
-from hf_specformer.demo import load_drafter
+from hf_specformer.assistants import load_drafter
 from hf_specformer.targets import load_target, load_tokenizer
 from hf_specformer.training.data import load_prompts
 
@@ -65,7 +65,8 @@ def test_smollm2_fp32_greedy_equals_generate(smollm2, drafter_kind):
     if drafter_kind == "shipped":  # a trained drafter must actually get drafts accepted on its own target
         assert assistant.speculation_stats.tokens_per_step > 1.05
     for row in (output != reference).any(1).nonzero().flatten().tolist():
-        is_tie, column, gap = first_divergence_is_tie(target, reference[row], output[row], inputs["attention_mask"][row])
+        is_tie, column, gap = first_divergence_is_tie(target, reference[row], output[row],
+                                                      inputs["attention_mask"][row])
         print(f"row {row}: divergence at column {column}, top-2 logit gap {gap:.2e}")
         assert is_tie, f"row {row} diverges at column {column} where the top-2 gap is {gap:.2e} (not a tie)"
 

@@ -115,7 +115,8 @@ def test_padding_mask_hides_keys(target, drafter):
     mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 9)], dim=1).long()
     with torch.no_grad():
         plain_states = drafter.select_hooked_states(target(ids, output_hidden_states=True).hidden_states)
-        padded_out = target(padded, attention_mask=mask, output_hidden_states=True, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        padded_out = target(padded, attention_mask=mask, output_hidden_states=True,
+                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     padded_states = drafter.select_hooked_states(padded_out.hidden_states)
     plain = drafter(plain_states).logits
     masked = drafter(padded_states, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits

@@ -113,7 +113,7 @@ def test_distillation_killed_repeatedly_loses_and_repeats_no_record(tmp_path):
         return {record["id"]: record for record in parsed}
 
     assert by_id(run) == by_id(tmp_path / "reference"), f"kill seed {seed}"
-    assert not [name for name in os.listdir(run) if name.startswith(".dataset-")], "temporary folders left behind"
+    assert not [name for name in os.listdir(run) if name.startswith(".tmp-")], "temporary folders left behind"
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "delete"])

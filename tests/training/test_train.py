@@ -216,7 +216,8 @@ def test_target_state_cache_matches_the_batched_forward(target_kind):
 def test_training_lowers_the_loss_and_exports(tmp_path):
     """Also restricts drafting to the reply vocabulary (the 7 tokens of `CYCLE`) before evaluation and export."""
     output_dir = tmp_path / "run"
-    result = train(make_config(output_dir, draft_vocab_size=50), target=learnable_target(), dataset=repetitive_dataset())
+    result = train(make_config(output_dir, draft_vocab_size=50), target=learnable_target(),
+                   dataset=repetitive_dataset())
     assert sorted(result.drafter.draft_vocab_ids.tolist()) == CYCLE
     exported = json.loads((output_dir / "drafter" / "config.json").read_text())
     assert exported["draft_vocab_size"] == len(CYCLE)

@@ -106,7 +106,8 @@ def _benchmark_section(bench_report: dict | None, drafter_mode: str | None) -> t
         f"Machine: {bench_report['machine']['platform']}, torch {bench_report['machine']['torch']}, "
         f"{bench_report['machine']['threads']} threads; {bench_report['config']['max_new_tokens']} new tokens, "
         f"k = {bench_report['config']['num_draft_tokens']}, confidence threshold "
-        f"{bench_report['config'].get('confidence_threshold', 0.0)}, prompts: {Path(bench_report['prompt_source']).name}.",
+        f"{bench_report['config'].get('confidence_threshold', 0.0)}, "
+        f"prompts: {Path(bench_report['prompt_source']).name}.",
         "",
         "| batch | prompt lookup | plain tok/s | speculative tok/s | speedup | decode-phase speedup | kappa | "
         "identical rows |",

@@ -3,7 +3,6 @@ reply vocabulary, the train/held-out split, the seeded order of micro-batches an
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -14,22 +13,23 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from hf_specformer.training.distill import DATASET_DIR, PROGRESS_DIR, RECORDS_FILE
+from hf_specformer.batch_generation import DATASET_DIR, PROGRESS_DIR
+from hf_specformer.records import read_all_records
 
 
 def load_distilled(path: str | os.PathLike) -> Dataset:
     """Self-distilled sequences with columns `input_ids` and `prompt_length`.
 
-    `path` is a distill output folder (its finished `dataset/`, else the `progress/records.jsonl` of a run in
-    progress, read without modifying it and ignoring a last line cut by a concurrent write) or a folder written by
-    `save_to_disk`. Records are ordered by `id` when there is one.
+    `path` is a distill (or `generate`) output folder (its finished `dataset/`, else the records of a run in
+    progress, read without modifying them and ignoring a last line cut by a concurrent write) or a folder written
+    by `save_to_disk`. Records are ordered by `id` when there is one.
     """
     path = Path(path)
-    records_path = path / PROGRESS_DIR / RECORDS_FILE
+    records = read_all_records(str(path / PROGRESS_DIR)) if (path / PROGRESS_DIR).is_dir() else {}
     if (path / DATASET_DIR).is_dir():
         dataset = _load_saved(path / DATASET_DIR)
-    elif records_path.is_file():
-        dataset = Dataset.from_list(_read_complete_records(records_path))
+    elif records:
+        dataset = Dataset.from_list([records[index] for index in sorted(records)])
     elif path.is_dir():
         dataset = _load_saved(path)
     else:
@@ -44,18 +44,6 @@ def _load_saved(path: Path) -> Dataset:
     """A `save_to_disk` folder as one Dataset (the `train` split of a DatasetDict)."""
     loaded = load_from_disk(str(path))
     return loaded["train"] if isinstance(loaded, DatasetDict) else loaded
-
-
-def _read_complete_records(path: Path) -> list[dict]:
-    """The complete JSON lines of `path` (a last line without newline is ignored), deduplicated and sorted by id."""
-    data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1].decode()
-    lines = [line for line in complete.split("\n") if line]  # not splitlines(): prompts may hold U+2028
-    records = {record["id"]: record for record in map(json.loads, lines)}
-    return [
-        {"input_ids": record["input_ids"], "prompt_length": record["prompt_length"]}
-        for _, record in sorted(records.items())
-    ]
 
 
 def reply_vocabulary(dataset: Dataset, size: int) -> list[int]:

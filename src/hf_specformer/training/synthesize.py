@@ -25,16 +25,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_specformer.training.distill import (
-    add_target_arguments,
-    append_records,
-    check_or_write_meta,
-    cut_after_eos,
-    eos_token_ids,
-    read_records,
-    target_fingerprint,
-    target_from_args,
-)
+from hf_specformer.batch_generation import batch_seed, cut_after_eos, eos_token_ids
+from hf_specformer.records import append_records, check_or_write_meta, read_records, target_fingerprint
+from hf_specformer.targets import add_target_arguments, target_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +46,6 @@ def user_turn_prefix_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if SENTINEL not in text:
         raise ValueError("The chat template does not contain the user message verbatim; cannot find the user turn.")
     return tokenizer(text[: text.index(SENTINEL)], add_special_tokens=False)["input_ids"]
-
-
-def batch_seed(seed: int, batch_index: int) -> int:
-    """The torch seed of batch `batch_index` of a run seeded with `seed`."""
-    return seed * 1_000_003 + batch_index
 
 
 @torch.inference_mode()

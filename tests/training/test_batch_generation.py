@@ -1,0 +1,118 @@
+"""The batch-generation job (`hf-specformer generate`): speculative answers equal plain ones, sampling is seeded,
+runs resume, two `accelerate` processes split the work and together write what one process writes, and bad
+options are clear errors. A tiny random Llama with SmolLM2's tokenizer (float64 in process, float32 on disk)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_drafter
+from datasets import load_from_disk
+from test_distill import PROMPTS, tiny_target
+from test_train import free_port
+
+from hf_specformer.batch_generation import GENERATIONS_FILE, GenerationSettings, generate_dataset, main
+from hf_specformer.targets import load_tokenizer
+
+SPECULATION = {"schedule": "fixed", "num_draft_tokens": 2, "lookup_ngram_size": 2}
+"""Fixed width, so every step verifies drafts (the goodput scheduler would rightly decode plainly with a random
+drafter), and prompt lookup, which a random model's repetitive text accepts often."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return tiny_target(tokenizer)
+
+
+def test_speculative_answers_equal_plain_answers(target, tokenizer, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hf_specformer.batch_generation")
+    settings = GenerationSettings(max_new_tokens=24, batch_size=4)
+    plain = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "plain"), settings, progress=False)
+    speculation = {"assistant_model": make_drafter(target, draft_length=2), **SPECULATION}
+    spec = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "spec"), settings, speculation=speculation,
+                            progress=False)
+    assert spec["input_ids"] == plain["input_ids"] and spec["response"] == plain["response"]
+    assert spec["id"] == list(range(len(PROMPTS)))
+    kappa = float(re.search(r"kappa (\S+)", caplog.text).group(1))
+    assert kappa > 1.0, caplog.text  # drafts were verified and some accepted
+    lines = [json.loads(line) for line in (tmp_path / "spec" / GENERATIONS_FILE).read_text().splitlines()]
+    assert lines == [{"id": i, "prompt": p, "response": r} for i, p, r in zip(spec["id"], PROMPTS, spec["response"])]
+
+
+def test_sampling_is_seeded_and_resumes_without_regenerating(target, tokenizer, tmp_path):
+    settings = GenerationSettings(max_new_tokens=10, batch_size=2, do_sample=True, seed=3)
+    first = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "a"), settings, progress=False)
+    again = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "b"), settings, progress=False)
+    assert first["input_ids"] == again["input_ids"]  # same seed, same samples
+    other = GenerationSettings(max_new_tokens=10, batch_size=2, do_sample=True, seed=4)
+    assert generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "c"), other,
+                            progress=False)["input_ids"] != first["input_ids"]
+    greedy = GenerationSettings(max_new_tokens=10, batch_size=2)
+    with pytest.raises(ValueError, match="do_sample"):  # a run is resumed only with its own settings
+        generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "a"), greedy, progress=False)
+
+    records = tmp_path / "a" / "progress" / "records.jsonl"
+    kept = records.read_text().splitlines()[:3]
+    records.write_text("\n".join(kept) + "\n" + kept[0][:15])  # a kill during the fourth record's batch
+    resumed = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "a"), settings, progress=False)
+    assert sorted(resumed["id"]) == list(range(len(PROMPTS)))
+    kept_ids = {json.loads(line)["id"] for line in kept}
+    assert all(resumed[i]["input_ids"] == first[i]["input_ids"] for i in kept_ids)
+
+
+def test_settings_and_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="batch_size"):
+        GenerationSettings(batch_size=0)
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationSettings(do_sample=True, temperature=0.0)
+    with pytest.raises(SystemExit, match="--drafter DIR.*--plain"):
+        main(["--target", str(tmp_path / "no-such-target"), "--output", str(tmp_path / "out")])
+
+
+def test_two_accelerate_processes_split_the_prompts_and_resume(tokenizer, tmp_path):
+    """Two CPU processes under `accelerate launch` (see `test_accelerate_launch_two_processes` for the launcher
+    options) each answer half the prompts into their own records file; the dataset equals a one-process run's.
+    With one process's records lost, a one-process rerun answers exactly those prompts again."""
+    target = tiny_target(tokenizer).float()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    make_drafter(target, draft_length=2).float().save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": p}) + "\n" for p in PROMPTS))
+    options = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts",
+               str(prompts), "--max-new-tokens", "8", "--batch-size", "1", "--threads", "1", "--schedule", "fixed",
+               "-k", "2", "--lookup-ngram-size", "2"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port()), "-m", "hf_specformer.batch_generation"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run([*launch, *options, "--output", str(tmp_path / "two")], env=env, capture_output=True,
+                               text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    progress = tmp_path / "two" / "progress"
+    shares = [[json.loads(line)["id"] for line in (progress / name).read_text().splitlines()]
+              for name in ("records.jsonl", "records-1.jsonl")]
+    assert sorted(shares[0]) == [0, 2, 4] and sorted(shares[1]) == [1, 3, 5]
+
+    torch.set_num_threads(1)
+    main([*options, "--output", str(tmp_path / "one")])
+    one, two = (load_from_disk(str(tmp_path / name / "dataset")) for name in ("one", "two"))
+    assert two.to_list() == one.to_list()
+
+    (progress / "records-1.jsonl").unlink()
+    main([*options, "--output", str(tmp_path / "two")])  # resumed with one process
+    assert sorted(json.loads(line)["id"] for line in (progress / "records.jsonl").read_text().splitlines()) == \
+        list(range(len(PROMPTS)))
+    assert load_from_disk(str(tmp_path / "two" / "dataset")).to_list() == one.to_list()
