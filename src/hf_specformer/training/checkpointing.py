@@ -138,8 +138,8 @@ def restore_checkpoint(accelerator: Accelerator, checkpoint: Path) -> TrainerSta
         raise ValueError(f"Checkpoint {checkpoint} is damaged ({error}); {fallback}.") from error
 
 
-def _read_log(path: Path) -> list[dict]:
-    """The log's records; a last line torn by a kill (no newline, or not JSON) is dropped."""
+def read_metrics(path: Path) -> list[dict]:
+    """The metrics log's records; a last line torn by a kill (no newline, or not JSON) is dropped."""
     records = []
     for line in path.read_text().splitlines(keepends=True):
         try:
@@ -154,7 +154,7 @@ def trim_metrics(path: Path, last_step: int) -> None:
     """Drops the log lines of steps after `last_step` (those of a run that died after its last checkpoint, or the
     whole log of an earlier run without checkpoints when a fresh run starts: `last_step` 0) and a torn last line."""
     if path.exists():
-        kept = [record for record in _read_log(path) if record.get("step", 0) <= last_step]
+        kept = [record for record in read_metrics(path) if record.get("step", 0) <= last_step]
         write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 

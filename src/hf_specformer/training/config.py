@@ -62,6 +62,12 @@ class DrafterTrainingConfig:
         new_parameter_learning_rate_scale: with `init_from`, the parameters that folder lacks (e.g. a next-token
             input added to a drafter trained without it) train at this multiple of the learning rate: a new matrix
             that starts at zero would otherwise grow only at the fine-tuning pace of the trained ones.
+        lora: adapt the `init_from` drafter to new data (a user's domain) with a LoRA adapter (PEFT) on every linear
+            layer of the drafter, its weights frozen: the run saves the adapter (`adapter/`, loadable with
+            `PeftModel.from_pretrained(drafter, adapter_dir)`) and exports the merged drafter (`drafter/`). The
+            drafter's acceptance table, if any, was calibrated before adaptation: rerun `hf-specformer calibrate`.
+        lora_rank, lora_alpha, lora_dropout: the adapter's rank r, scale alpha (updates are scaled by alpha / r) and
+            dropout.
     """
 
     data: str = field(metadata={"help": "Distill output folder or a `save_to_disk` dataset folder."})
@@ -116,10 +122,14 @@ class DrafterTrainingConfig:
     new_parameter_learning_rate_scale: float = field(
         default=1.0, metadata={"help": "With init_from: learning-rate multiple of the parameters it lacks."}
     )
+    lora: bool = field(default=False, metadata={"help": "Adapt the init_from drafter with a LoRA adapter (PEFT)."})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (updates scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
 
     def __post_init__(self):
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps",
-                    "new_parameter_learning_rate_scale")
+                    "new_parameter_learning_rate_scale", "lora_rank", "lora_alpha")
         non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "ce_positions_per_sequence",
                         "feature_loss_weight", "draft_vocab_size", "eval_every", "save_every", "num_threads",
                         "min_learning_rate")
@@ -142,5 +152,12 @@ class DrafterTrainingConfig:
             raise ValueError(f"`warmup_ratio` must be in [0, 1), got {self.warmup_ratio}.")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"`eval_fraction` must be in [0, 1), got {self.eval_fraction}.")
+        if self.lora and not self.init_from:
+            raise ValueError("`lora` adapts a trained drafter: set `init_from` to its folder.")
+        if self.lora and self.next_token_input:
+            raise ValueError("`lora` trains adapters of the drafter's existing layers only; add the next-token input "
+                             "with full training (`init_from` without `lora`).")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"`lora_dropout` must be in [0, 1), got {self.lora_dropout}.")
         if self.max_length < 3:
             raise ValueError(f"`max_length` must be >= 3 (a position and the token two ahead), got {self.max_length}.")

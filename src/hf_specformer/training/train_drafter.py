@@ -35,6 +35,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from datasets import Dataset
+from peft import LoraConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser, PreTrainedModel
 
@@ -53,6 +55,7 @@ from hf_specformer.training.checkpointing import (
     TrainerState,
     append_metrics,
     list_checkpoints,
+    read_metrics,
     restore_checkpoint,
     save_checkpoint,
     trim_metrics,
@@ -76,6 +79,7 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
 DRAFTER_DIR = "drafter"
+ADAPTER_DIR = "adapter"
 
 
 # ----- learning rate -------------------------------------------------------------------------------------------
@@ -163,25 +167,33 @@ class StopOnSignal:
 
 def build_drafter(
     target: PreTrainedModel, config: DrafterTrainingConfig
-) -> tuple[SpecFormerForDrafting, frozenset[str]]:
+) -> tuple[SpecFormerForDrafting | PeftModel, frozenset[str]]:
     """The drafter to train, in the target's dtype, bound to it, in training mode, and the names of its parameters
     that `config.init_from` did not hold: freshly initialised (no names), or the weights of `config.init_from`
-    (continued training on new data, optionally gaining the next-token input; optimiser and schedule start afresh)."""
-    if config.init_from:
-        extra = {"next_token_input": True} if config.next_token_input else {}
-        drafter, loading = SpecFormerForDrafting.from_pretrained(
-            config.init_from, dtype=target.dtype, output_loading_info=True, **extra
+    (continued training on new data, optionally gaining the next-token input; optimiser and schedule start afresh),
+    with `config.lora` wrapped as a `PeftModel` whose LoRA adapters alone train."""
+    if not config.init_from:
+        drafter_config = SpecFormerConfig.from_target_config(
+            target.config, draft_length=config.draft_length, next_token_input=config.next_token_input
         )
-        if drafter.config.draft_length != config.draft_length:
-            raise ValueError(
-                f"`init_from` has draft_length {drafter.config.draft_length}, the run asks for {config.draft_length}."
-            )
-        return drafter.bind_target(target).train(), frozenset(loading["missing_keys"])
-    drafter_config = SpecFormerConfig.from_target_config(
-        target.config, draft_length=config.draft_length, next_token_input=config.next_token_input
+        drafter = SpecFormerForDrafting(drafter_config).to(target.dtype)
+        return drafter.bind_target(target).train(), frozenset()
+    extra = {"next_token_input": True} if config.next_token_input else {}
+    drafter, loading = SpecFormerForDrafting.from_pretrained(
+        config.init_from, dtype=target.dtype, output_loading_info=True, **extra
     )
-    drafter = SpecFormerForDrafting(drafter_config).to(target.dtype)
-    return drafter.bind_target(target).train(), frozenset()
+    if drafter.config.draft_length != config.draft_length:
+        raise ValueError(
+            f"`init_from` has draft_length {drafter.config.draft_length}, the run asks for {config.draft_length}."
+        )
+    drafter.bind_target(target)
+    if config.lora:
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                          target_modules="all-linear")
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(drafter, lora).train(), frozenset()
+    return drafter.train(), frozenset(loading["missing_keys"])
 
 
 def total_optimizer_steps(config: DrafterTrainingConfig, batches_per_epoch: int) -> int:
@@ -320,6 +332,7 @@ def train(
     if accelerator.is_main_process:
         trim_metrics(metrics_path, state.step)
     logger.info("%d train / %d held-out sequences, %d optimiser steps", len(train_set), len(eval_set), total_steps)
+    initial = initial_evaluation(accelerator, target, drafter, eval_set, config, metrics_path)
 
     bar = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     window = WindowStats()
@@ -363,13 +376,44 @@ def train(
     if config.draft_vocab_size:
         accelerator.unwrap_model(drafter).set_draft_vocab(reply_vocabulary(train_set, config.draft_vocab_size))
     evaluation = run_evaluation(accelerator, target, drafter, eval_set, config, state, metrics_path)
-    unwrapped = accelerator.unwrap_model(drafter)
+    unwrapped = export_trained(accelerator, accelerator.unwrap_model(drafter), output_dir, config)
     if accelerator.is_main_process:
-        export_drafter(unwrapped, output_dir / DRAFTER_DIR, dtype=DTYPES[config.save_dtype])
         summary = {"step": state.step, "num_processes": accelerator.num_processes, **evaluation}
+        if initial:
+            summary["initial"] = initial
         write_atomically(output_dir / EVAL_FILE, json.dumps(summary, indent=2))
     accelerator.wait_for_everyone()
     return TrainingResult(drafter=unwrapped, optimizer=optimizer, state=state, evaluation=evaluation)
+
+
+def initial_evaluation(
+    accelerator: Accelerator, target: PreTrainedModel, drafter: torch.nn.Module, eval_set: Dataset,
+    config: DrafterTrainingConfig, path: Path,
+) -> dict:
+    """With `init_from`, kappa of the starting drafter on the held-out split (what the run improves on), logged as
+    step 0; read back from the log when the run resumes. Empty for a drafter trained from scratch."""
+    if not config.init_from:
+        return {}
+    logged = [record["eval"] for record in read_metrics(path) if record.get("step") == 0 and "eval" in record] \
+        if path.exists() else []
+    if logged:
+        return logged[-1]
+    return run_evaluation(accelerator, target, drafter, eval_set, config, TrainerState(), path)
+
+
+def export_trained(
+    accelerator: Accelerator, drafter: SpecFormerForDrafting | PeftModel, output_dir: Path,
+    config: DrafterTrainingConfig,
+) -> SpecFormerForDrafting:
+    """Writes the trained drafter's Hub folder (`drafter/`) on the main process and returns the drafter. A LoRA
+    run first saves its adapter (`adapter/`) and then merges it into the drafter's weights."""
+    if isinstance(drafter, PeftModel):
+        if accelerator.is_main_process:
+            drafter.save_pretrained(output_dir / ADAPTER_DIR)
+        drafter = drafter.merge_and_unload()
+    if accelerator.is_main_process:
+        export_drafter(drafter, output_dir / DRAFTER_DIR, dtype=DTYPES[config.save_dtype])
+    return drafter
 
 
 def parse_config(argv: list[str] | None = None) -> DrafterTrainingConfig:
