@@ -149,6 +149,8 @@ def test_speculation_pays_only_where_the_engine_beats_plain_decoding():
     slow_plain = StepCostModel(costs.batch_sizes, costs.step_seconds, costs.draft_seconds,
                                plain_seconds=[1.3 * b for b in costs.batch_sizes])
     assert GoodputSchedule(slow_plain, 4, expected_accepted=[0.0, 0.3, 0.4, 0.45, 0.47]).speculation_pays(64)
+    # an engine faster than plain decoding at width 0 (CPU patches, or noise) but whose drafts never pay: plain
+    assert not GoodputSchedule(slow_plain, 4, expected_accepted=[0.0, 0.05, 0.06, 0.07, 0.08]).speculation_pays(64)
     short = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.9])  # extended with its last value
     assert short.expected.tolist() == [0.0, 0.9, 0.9, 0.9, 0.9]
 

@@ -20,10 +20,13 @@ Choices where the paper is silent or does not fit this engine:
   w: once a row's position j <= w is paid for, verifying it is free. So w* = argmax_w (B + sum_b sum_{j<=w}
   q_{b,j}) / t(B, w), the exact optimum, and each row verifies its drafts up to w* (fewer where it has fewer).
 - Per call (SGLang's per-batch-size choice, from measurements rather than fixed buckets): the engine's best
-  predicted rate, max_w B (1 + E_w) / (t(B, w) + t_d(B) [w > 0]) from the calibrated expected gains E_w
+  predicted rate with drafts, max_{w >= 1} B (1 + E_w) / (t(B, w) + t_d(B)) from the calibrated expected gains E_w
   (`AcceptanceTable.expected_accepted`), is compared with plain decoding's B / t_plain(B), where t_plain is
-  transformers' own forward of one token per row without this package's CPU patches or hidden states. Unless the
-  engine is ahead by `ENGINE_OVERHEAD` (what the step costs do not see: the prefill returns hidden states and the
+  transformers' own forward of one token per row without this package's CPU patches or hidden states. Width 0 is
+  left out: an engine whose best step verifies nothing can only differ from plain decoding by its CPU patches and
+  by the noise of two close measurements (on the CPU testbed at B = 16, t(B, 0) measured 10% under t_plain and the
+  engine then ran 7% slower than plain `generate`), never by speculation. Unless the engine is ahead by
+  `ENGINE_OVERHEAD` (what the step costs do not see: the prefill returns hidden states and the
   drafter reads the prompt; measured at B = 32 on the CPU testbed, a 402-token padded prefill took 21.6 s with
   hidden states against 20.3 s without), `speculation_pays` is False and the call runs transformers' plain decoding
   loop: no drafter, no hidden states, what plain `generate` costs. Without calibration it speculates.
@@ -325,7 +328,7 @@ class GoodputSchedule:
         if self.expected is None:
             return True
         plain_rate = batch_size / self.costs.plain(batch_size)
-        return bool(self._rates(batch_size).max() > (1 + ENGINE_OVERHEAD) * plain_rate)
+        return bool(self._rates(batch_size)[1:].max() > (1 + ENGINE_OVERHEAD) * plain_rate)
 
     def should_draft(self, batch_size: int) -> bool:
         """Whether drafting for the next step is expected to pay (or a probe is due)."""
