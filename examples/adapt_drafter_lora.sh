@@ -13,7 +13,7 @@ hf-specformer distill --prompts "$OUT/code_prompts.jsonl" --output "$OUT/distill
     --batch-size 32
 hf-specformer train --lora --init-from "$DRAFTER" --draft-length 8 --data "$OUT/distill_code" \
     --output-dir "$OUT/code_lora" --eval-fraction 0.15 --epochs "${EPOCHS:-3}" --per-device-batch-size 8 \
-    --learning-rate 2e-3 --min-learning-rate 1e-4 --lora-rank 16 --positions-per-sequence 0 \
+    --learning-rate 2e-3 --min-learning-rate 1e-4 --lora-rank 16 --positions-per-sequence 64 \
     --ce-positions-per-sequence 24 --cache-target-states --max-length 640 --eval-every 0 --save-every 20
 python - "$OUT/code_lora/eval.json" <<'PY'
 import json, sys

@@ -1,5 +1,5 @@
 """The drafter's grouped RMSNorm in one kernel: the 4 hooked target states of a position, each normalised over d
-(in float32) with its own scale vector and written side by side, `[N, G, d]` -> `[N, G * d]` (the concatenation
+(in float32, or float64 for float64 inputs) with its own scale vector and written side by side, `[N, G, d]` -> `[N, G * d]` (the concatenation
 the context stage's down projection reads). Reference: `SpecFormerGroupedRMSNorm` (normalise in float32, cast back
 to the input dtype, then scale), whose rounding it follows.
 """
@@ -13,13 +13,13 @@ import triton.language as tl
 
 @triton.jit
 def _grouped_rms_norm_kernel(input_ptr, weight_ptr, output_ptr, hidden_size, num_groups, eps,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
     index = tl.program_id(0).to(tl.int64)  # one (position, group) per program
     group = index % num_groups
     columns = tl.arange(0, BLOCK)
     inside = columns < hidden_size
     x = tl.load(input_ptr + index * hidden_size + columns, mask=inside, other=0.0)
-    values = x.to(tl.float32)
+    values = x.to(COMPUTE)
     variance = tl.sum(values * values, axis=0) / hidden_size
     normalized = (values * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + group * hidden_size + columns, mask=inside, other=0.0)
@@ -36,5 +36,6 @@ def grouped_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: flo
         _grouped_rms_norm_kernel[(flat.shape[0],)](
             flat, weight.contiguous(), output, hidden_size, num_groups, eps,
             BLOCK=triton.next_power_of_2(hidden_size),
+            COMPUTE=tl.float64 if hidden_states.dtype == torch.float64 else tl.float32,
         )
     return output

@@ -55,7 +55,7 @@ NUM_HOOKED_STATES = 4
 
 
 class SpecFormerRMSNorm(nn.Module):
-    """RMSNorm over the last dimension, computed in float32 and cast back."""
+    """RMSNorm over the last dimension, computed in float32 (float64 for float64 inputs) and cast back."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -64,7 +64,7 @@ class SpecFormerRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
