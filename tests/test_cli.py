@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import make_drafter, make_target
@@ -21,7 +23,8 @@ def test_no_command_prints_usage(capsys):
 
 @pytest.mark.parametrize(
     "command",
-    ["demo", "synthesize", "distill", "train", "train-companion", "calibrate", "bench", "export", "export-companion"],
+    ["demo", "generate", "synthesize", "distill", "train", "train-companion", "calibrate", "bench", "export",
+     "export-companion"],
 )
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -160,3 +163,30 @@ def test_device_and_dtype_options_reach_the_tools():
     assert parse_config(["--data", "d", "--output-dir", "o", "--target-dtype", "float16"]).target_dtype == "float16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--oracle", "--dtype", "int8"])
+
+
+def test_bench_rounds_reverse_the_order_and_count_every_row(tmp_path):
+    """A whole benchmark on a tiny target (oracle, 2 rounds): every round's rows are counted and identical to plain
+    `generate`, and the JSON and the plot are written."""
+    import torch
+
+    from hf_specformer.bench import main as bench_main
+    from hf_specformer.targets import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    sys.path.insert(0, str(Path(__file__).parent / "training"))
+    from test_distill import PROMPTS, tiny_target
+
+    tiny_target(tokenizer).float().save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    threads = torch.get_num_threads()
+    report = bench_main(["--target", str(tmp_path / "target"), "--oracle", "--batch-sizes", "1", "2",
+                         "--min-rows", "2", "--max-new-tokens", "6", "--rounds", "2", "-k", "2", "--threads", "1",
+                         "--prompts", str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "bench")])
+    torch.set_num_threads(threads)
+    rows = report["results"]
+    assert [(row["batch_size"], row["num_batches"], row["rounds"], row["rows"]) for row in rows] == \
+        [(1, 2, 2, 4), (2, 1, 2, 4)]
+    assert all(row["mismatched_rows"] == 0 and row["plain_seconds"] > 0 for row in rows)
+    assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()

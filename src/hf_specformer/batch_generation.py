@@ -51,7 +51,7 @@ from .records import (
     replace_folder,
     target_fingerprint,
 )
-from .training.data import chat_prompt_ids
+from .prompts import chat_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -391,7 +391,7 @@ def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `hf-specformer generate` and `accelerate launch -m hf_specformer.batch_generation`."""
     from .targets import DEFAULT_TARGET, target_from_args
-    from .training.data import load_prompts
+    from .prompts import load_prompts
 
     args = build_parser().parse_args(argv)
     if not args.plain and args.drafter is None and args.target != DEFAULT_TARGET:

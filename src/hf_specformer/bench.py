@@ -51,7 +51,7 @@ from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, synchronize
 from .ties import classify_rows
-from .training.data import find_shared_data, load_prompts
+from .prompts import find_shared_data, load_prompts
 
 BENCH_PROMPTS = "spec_bench_mtbench.jsonl"
 
@@ -78,6 +78,7 @@ class BenchConfig:
     schedules: list[str] = field(default_factory=lambda: ["fixed"])
     companion: str | None = None
     few_row_plain: bool = False
+    rounds: int = 1
     output: str = "bench/results"
 
 
@@ -258,20 +259,34 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
                for batch in chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)]
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
-    plain, prefill, few_row_plain, tokens, first_reference = 0.0, 0.0, 0.0, 0, None
+    plain, prefill, few_row_plain, tokens = 0.0, 0.0, 0.0, 0
     tallies = {run: _ModeTally() for run in runs(config)}
-    for batch in tqdm(batches, desc=f"B={batch_size}", leave=False):
-        reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)
-        plain += seconds
-        prefill += prefill_seconds(target, batch)
-        tokens += count_new_tokens(reference, batch["input_ids"].shape[1], tokenizer.eos_token_id)
-        first_reference = reference if first_reference is None else first_reference
-        if config.few_row_plain:
-            with FewRowLinears([target], head=target.get_output_embeddings()):
-                few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)[1]
-        for run, tally in tallies.items():
-            tally.add(*_speculative_run(target, tokenizer, batch, reference, run, config, drafters, gen_kwargs),
-                      reference, target, batch, tokenizer.pad_token_id)
+    references = []
+    for round_index in range(config.rounds):
+        for index, batch in enumerate(tqdm(batches, desc=f"B={batch_size} round {round_index + 1}", leave=False)):
+            def time_plain():
+                nonlocal plain, prefill, tokens
+                reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)
+                plain += seconds
+                prefill += prefill_seconds(target, batch)
+                tokens += count_new_tokens(reference, batch["input_ids"].shape[1], tokenizer.eos_token_id)
+                if round_index == 0:
+                    references.append(reference)
+
+            order = list(tallies.items())
+            if round_index % 2 == 0:
+                time_plain()
+            else:  # odd rounds run the modes in reverse order, then plain: no run always follows the same one
+                order.reverse()
+            if config.few_row_plain:
+                with FewRowLinears([target], head=target.get_output_embeddings()):
+                    few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)[1]
+            for run, tally in order:
+                tally.add(*_speculative_run(target, tokenizer, batch, references[index], run, config, drafters,
+                                            gen_kwargs), references[index], target, batch, tokenizer.pad_token_id)
+            if round_index % 2 == 1:
+                time_plain()
+    first_reference = references[0]
     width = batches[0]["input_ids"].shape[1]
     context = first_reference[:, : width + config.max_new_tokens // 2]  # prompt + half the plain continuation
     context_mask = torch.cat([batches[0]["attention_mask"], torch.ones_like(context[:, width:])], 1)
@@ -281,7 +296,7 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
         decode_speedup = (plain - prefill) / (tally.seconds - prefill)
         rows.append({
             "mode": mode, "schedule": schedule, "label": run_label(mode, schedule), "batch_size": batch_size,
-            "num_batches": len(batches), "new_tokens": tokens,
+            "num_batches": len(batches), "rounds": config.rounds, "new_tokens": tokens,
             "plain_seconds": plain, "spec_seconds": tally.seconds, "prefill_seconds": prefill,
             "plain_tokens_per_s": tokens / plain, "spec_tokens_per_s": tokens / tally.seconds,
             "speedup": plain / tally.seconds, "decode_speedup": decode_speedup, **limit,
@@ -289,8 +304,8 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             "tokens_per_step": statistics.mean(tally.kappas),
             "drafts_per_step": statistics.mean(tally.drafts_per_step),
             "acceptance_by_position": [statistics.mean(col) for col in zip(*tally.per_position)],
-            "mismatched_rows": tally.mismatched_rows, "rows": len(batches) * batch_size,
-            "tie_rate": sum(m["tie"] for m in tally.mismatches) / (len(batches) * batch_size),
+            "mismatched_rows": tally.mismatched_rows, "rows": len(batches) * batch_size * config.rounds,
+            "tie_rate": sum(m["tie"] for m in tally.mismatches) / (len(batches) * batch_size * config.rounds),
             **tally.summary(),
         })
         if config.few_row_plain:
@@ -410,6 +425,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--companion", default=None, help="a companion folder (schedule `companion`)")
     parser.add_argument("--few-row-plain", action="store_true",
                         help="also time plain generate with the engine's few-row CPU products (a second baseline)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every batch this many times, the order of plain and the modes reversed in every "
+                        "second round (for sizes with few batches, whose single runs follow the machine's noise)")
     parser.add_argument("--output", default="bench/results", help="path stem of the JSON and PNG")
     return parser
 
@@ -425,7 +443,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, min_rows=args.min_rows, prompts=args.prompts,
         threads=args.threads, device=args.device, dtype=args.dtype, output=args.output,
         compaction_hole_fraction=args.compaction_hole_fraction,
-        few_row_plain=args.few_row_plain, confidence_threshold=args.confidence_threshold,
+        few_row_plain=args.few_row_plain, confidence_threshold=args.confidence_threshold, rounds=args.rounds,
         schedules=args.schedules + (["companion"] if args.companion and "companion" not in args.schedules else []),
         companion=args.companion,
     )

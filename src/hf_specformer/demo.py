@@ -20,7 +20,7 @@ from .generation import generate
 from .generation.generate import LOOKUP_NGRAM_SIZE
 from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, synchronize
 from .ties import classify_rows
-from .training.data import chat_prompt_ids, load_prompts
+from .prompts import chat_prompt_ids, load_prompts
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_specformer.batch_generation import cut_after_eos
 from hf_specformer.records import append_records, read_records
 from hf_specformer.targets import load_tokenizer
-from hf_specformer.training.data import chat_prompt_ids, find_shared_data, load_prompts
+from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.training.distill import distill
 from hf_specformer.training.distilled import load_distilled
 

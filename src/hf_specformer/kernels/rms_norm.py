@@ -1,7 +1,7 @@
 """The drafter's grouped RMSNorm in one kernel: the 4 hooked target states of a position, each normalised over d
-(in float32, or float64 for float64 inputs) with its own scale vector and written side by side, `[N, G, d]` -> `[N, G * d]` (the concatenation
-the context stage's down projection reads). Reference: `SpecFormerGroupedRMSNorm` (normalise in float32, cast back
-to the input dtype, then scale), whose rounding it follows.
+(in float32, or float64 for float64 inputs) with its own scale vector and written side by side, `[N, G, d]` ->
+`[N, G * d]` (the concatenation the context stage's down projection reads). Reference: `SpecFormerGroupedRMSNorm`
+(normalise in float32 or float64, cast back to the input dtype, then scale), whose rounding it follows.
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Training the drafter: self-distillation data (`distill`) and prompt loading (`data`)."""
+"""Training the drafter and the companion: self-distillation data (`distill`, `synthesize`), drafter training
+(`train_drafter` and its parts), the companion (`train_companion`) and the acceptance tables (`calibrate`)."""

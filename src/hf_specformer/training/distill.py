@@ -28,7 +28,7 @@ from hf_specformer.batch_generation import (
     process_state,
 )
 from hf_specformer.generation.generate import LOOKUP_NGRAM_SIZE
-from hf_specformer.training.data import load_prompts
+from hf_specformer.prompts import load_prompts
 
 logger = logging.getLogger(__name__)
 

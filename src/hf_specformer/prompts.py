@@ -1,4 +1,5 @@
-"""Prompt sets for self-distillation: loading prompts from files or the Hub, and turning a prompt into chat ids.
+"""Prompt sets (for generation jobs, distillation, benchmarks): loading prompts from files or the Hub, and turning a
+prompt into chat ids.
 
 `load_prompts()` without a source returns the small prompt set shipped in this package (`default_prompts.jsonl`),
 so the project runs on a fresh machine. The larger development data (see `find_shared_data`) lives beside the
@@ -26,7 +27,7 @@ def find_shared_data(name: str) -> str | None:
 
     Returns None when neither exists (as on a fresh machine).
     """
-    repo_root = Path(__file__).resolve().parents[3]
+    repo_root = Path(__file__).resolve().parents[2]
     candidates = [repo_root.parent / "shared" / "data" / name]
     if os.environ.get(DATA_DIR_ENV):
         candidates.insert(0, Path(os.environ[DATA_DIR_ENV]) / name)
