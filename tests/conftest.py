@@ -88,3 +88,31 @@ def target(target_kind):
 @pytest.fixture
 def drafter(target):
     return make_drafter(target)
+
+
+# ----- a chat target for the generation jobs: SmolLM2's tokenizer, tiny random weights -------------------------
+CHAT_PROMPTS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a Python function that adds two numbers and explain it in one sentence.",
+    "Name a colour.",
+    "Why do cats purr? Answer briefly, in plain words, for a child.",
+    "2 + 2 = ?",
+]
+
+
+def tiny_chat_target(tokenizer, eos_token_id: int | None = None) -> LlamaForCausalLM:
+    """A random two-layer Llama with SmolLM2's vocabulary, in float64 so batched and single runs agree."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).to(torch.float64).eval()

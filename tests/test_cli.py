@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import make_drafter, make_target
+from conftest import CHAT_PROMPTS, make_drafter, make_target, tiny_chat_target
 
 from hf_specformer import cli
 from hf_specformer.bench import build_parser, config_from_args
@@ -174,12 +172,9 @@ def test_bench_rounds_reverse_the_order_and_count_every_row(tmp_path):
     from hf_specformer.targets import load_tokenizer
 
     tokenizer = load_tokenizer()
-    sys.path.insert(0, str(Path(__file__).parent / "training"))
-    from test_distill import PROMPTS, tiny_target
-
-    tiny_target(tokenizer).float().save_pretrained(tmp_path / "target")
+    tiny_chat_target(tokenizer).float().save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHAT_PROMPTS))
     threads = torch.get_num_threads()
     report = bench_main(["--target", str(tmp_path / "target"), "--oracle", "--batch-sizes", "1", "2",
                          "--min-rows", "2", "--max-new-tokens", "6", "--rounds", "2", "-k", "2", "--threads", "1",

@@ -42,6 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .generation import generate
 from .generation.generate import LOOKUP_NGRAM_SIZE
+from .prompts import chat_prompt_ids
 from .records import (
     append_records,
     check_or_write_meta,
@@ -51,7 +52,6 @@ from .records import (
     replace_folder,
     target_fingerprint,
 )
-from .prompts import chat_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -390,8 +390,8 @@ def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `hf-specformer generate` and `accelerate launch -m hf_specformer.batch_generation`."""
-    from .targets import DEFAULT_TARGET, target_from_args
     from .prompts import load_prompts
+    from .targets import DEFAULT_TARGET, target_from_args
 
     args = build_parser().parse_args(argv)
     if not args.plain and args.drafter is None and args.target != DEFAULT_TARGET:

@@ -49,9 +49,9 @@ from .generation.products import FewRowLinears
 from .generation.scheduling import CONFIDENCE_THRESHOLD
 from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
+from .prompts import find_shared_data, load_prompts
 from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, synchronize
 from .ties import classify_rows
-from .prompts import find_shared_data, load_prompts
 
 BENCH_PROMPTS = "spec_bench_mtbench.jsonl"
 

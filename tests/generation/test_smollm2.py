@@ -12,8 +12,8 @@ import torch
 
 from hf_specformer import OracleProposer, SpecFormerConfig, SpecFormerForDrafting, generate
 from hf_specformer.assistants import load_drafter
-from hf_specformer.targets import load_target, load_tokenizer
 from hf_specformer.prompts import load_prompts
+from hf_specformer.targets import load_target, load_tokenizer
 
 TIE_TOLERANCE = 1e-4
 pytestmark = pytest.mark.slow

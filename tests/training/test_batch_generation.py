@@ -13,9 +13,8 @@ import sys
 
 import pytest
 import torch
-from conftest import make_drafter
+from conftest import CHAT_PROMPTS, make_drafter, tiny_chat_target
 from datasets import load_from_disk
-from test_distill import PROMPTS, tiny_target
 from test_train import free_port
 
 from hf_specformer.batch_generation import GENERATIONS_FILE, GenerationSettings, generate_dataset, main
@@ -33,41 +32,42 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def target(tokenizer):
-    return tiny_target(tokenizer)
+    return tiny_chat_target(tokenizer)
 
 
 def test_speculative_answers_equal_plain_answers(target, tokenizer, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hf_specformer.batch_generation")
     settings = GenerationSettings(max_new_tokens=24, batch_size=4)
-    plain = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "plain"), settings, progress=False)
+    plain = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "plain"), settings, progress=False)
     speculation = {"assistant_model": make_drafter(target, draft_length=2), **SPECULATION}
-    spec = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "spec"), settings, speculation=speculation,
+    spec = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "spec"), settings, speculation=speculation,
                             progress=False)
     assert spec["input_ids"] == plain["input_ids"] and spec["response"] == plain["response"]
-    assert spec["id"] == list(range(len(PROMPTS)))
+    assert spec["id"] == list(range(len(CHAT_PROMPTS)))
     kappa = float(re.search(r"kappa (\S+)", caplog.text).group(1))
     assert kappa > 1.0, caplog.text  # drafts were verified and some accepted
     lines = [json.loads(line) for line in (tmp_path / "spec" / GENERATIONS_FILE).read_text().splitlines()]
-    assert lines == [{"id": i, "prompt": p, "response": r} for i, p, r in zip(spec["id"], PROMPTS, spec["response"])]
+    assert lines == [{"id": i, "prompt": p, "response": r}
+                     for i, p, r in zip(spec["id"], CHAT_PROMPTS, spec["response"])]
 
 
 def test_sampling_is_seeded_and_resumes_without_regenerating(target, tokenizer, tmp_path):
     settings = GenerationSettings(max_new_tokens=10, batch_size=2, do_sample=True, seed=3)
-    first = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "a"), settings, progress=False)
-    again = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "b"), settings, progress=False)
+    first = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "a"), settings, progress=False)
+    again = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "b"), settings, progress=False)
     assert first["input_ids"] == again["input_ids"]  # same seed, same samples
     other = GenerationSettings(max_new_tokens=10, batch_size=2, do_sample=True, seed=4)
-    assert generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "c"), other,
+    assert generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "c"), other,
                             progress=False)["input_ids"] != first["input_ids"]
     greedy = GenerationSettings(max_new_tokens=10, batch_size=2)
     with pytest.raises(ValueError, match="do_sample"):  # a run is resumed only with its own settings
-        generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "a"), greedy, progress=False)
+        generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "a"), greedy, progress=False)
 
     records = tmp_path / "a" / "progress" / "records.jsonl"
     kept = records.read_text().splitlines()[:3]
     records.write_text("\n".join(kept) + "\n" + kept[0][:15])  # a kill during the fourth record's batch
-    resumed = generate_dataset(target, tokenizer, PROMPTS, str(tmp_path / "a"), settings, progress=False)
-    assert sorted(resumed["id"]) == list(range(len(PROMPTS)))
+    resumed = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "a"), settings, progress=False)
+    assert sorted(resumed["id"]) == list(range(len(CHAT_PROMPTS)))
     kept_ids = {json.loads(line)["id"] for line in kept}
     assert all(resumed[i]["input_ids"] == first[i]["input_ids"] for i in kept_ids)
 
@@ -85,12 +85,12 @@ def test_two_accelerate_processes_split_the_prompts_and_resume(tokenizer, tmp_pa
     """Two CPU processes under `accelerate launch` (see `test_accelerate_launch_two_processes` for the launcher
     options) each answer half the prompts into their own records file; the dataset equals a one-process run's.
     With one process's records lost, a one-process rerun answers exactly those prompts again."""
-    target = tiny_target(tokenizer).float()
+    target = tiny_chat_target(tokenizer).float()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     make_drafter(target, draft_length=2).float().save_pretrained(tmp_path / "drafter")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"question": p}) + "\n" for p in PROMPTS))
+    prompts.write_text("".join(json.dumps({"question": p}) + "\n" for p in CHAT_PROMPTS))
     options = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts",
                str(prompts), "--max-new-tokens", "8", "--batch-size", "1", "--threads", "1", "--schedule", "fixed",
                "-k", "2", "--lookup-ngram-size", "2"]
@@ -114,5 +114,5 @@ def test_two_accelerate_processes_split_the_prompts_and_resume(tokenizer, tmp_pa
     (progress / "records-1.jsonl").unlink()
     main([*options, "--output", str(tmp_path / "two")])  # resumed with one process
     assert sorted(json.loads(line)["id"] for line in (progress / "records.jsonl").read_text().splitlines()) == \
-        list(range(len(PROMPTS)))
+        list(range(len(CHAT_PROMPTS)))
     assert load_from_disk(str(tmp_path / "two" / "dataset")).to_list() == one.to_list()

@@ -8,24 +8,16 @@ import shutil
 
 import pytest
 import torch
+from conftest import CHAT_PROMPTS, tiny_chat_target
 from datasets import load_from_disk
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_specformer.batch_generation import cut_after_eos
+from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.records import append_records, read_records
 from hf_specformer.targets import load_tokenizer
-from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.training.distill import distill
 from hf_specformer.training.distilled import load_distilled
 
-PROMPTS = [
-    "Hi!",
-    "What is the capital of France?",
-    "Write a Python function that adds two numbers and explain it in one sentence.",
-    "Name a colour.",
-    "Why do cats purr? Answer briefly, in plain words, for a child.",
-    "2 + 2 = ?",
-]
 MAX_NEW_TOKENS = 8
 
 
@@ -34,26 +26,9 @@ def tokenizer():
     return load_tokenizer()
 
 
-def tiny_target(tokenizer, eos_token_id: int | None = None) -> LlamaForCausalLM:
-    """A random two-layer Llama with SmolLM2's vocabulary, in float64 so batched and single runs agree."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).to(torch.float64).eval()
-
-
 @pytest.fixture(scope="module")
 def target(tokenizer):
-    return tiny_target(tokenizer)
+    return tiny_chat_target(tokenizer)
 
 
 def single_answer(target, tokenizer, prompt: str) -> list[int]:
@@ -73,10 +48,10 @@ def read_lines(output_dir) -> list[dict]:
 
 
 def test_distill_answers_like_single_prompt_generation(target, tokenizer, tmp_path):
-    dataset = distill(target, tokenizer, PROMPTS, str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, batch_size=4,
+    dataset = distill(target, tokenizer, CHAT_PROMPTS, str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, batch_size=4,
                       progress=False)
-    assert dataset["id"] == list(range(len(PROMPTS)))
-    for record, prompt in zip(dataset, PROMPTS):
+    assert dataset["id"] == list(range(len(CHAT_PROMPTS)))
+    for record, prompt in zip(dataset, CHAT_PROMPTS):
         prompt_ids = chat_prompt_ids(tokenizer, prompt)
         assert record["prompt"] == prompt
         assert record["prompt_length"] == len(prompt_ids)
@@ -88,11 +63,11 @@ def test_distill_answers_like_single_prompt_generation(target, tokenizer, tmp_pa
 
 
 def test_distill_cuts_answers_after_first_eos(target, tokenizer, tmp_path):
-    full = single_answer(target, tokenizer, PROMPTS[1])
+    full = single_answer(target, tokenizer, CHAT_PROMPTS[1])
     eos = full[2]
     expected = full[: full.index(eos) + 1]
-    stopping = tiny_target(tokenizer, eos_token_id=eos)
-    dataset = distill(stopping, tokenizer, PROMPTS[:3], str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, batch_size=3,
+    stopping = tiny_chat_target(tokenizer, eos_token_id=eos)
+    dataset = distill(stopping, tokenizer, CHAT_PROMPTS[:3], str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, batch_size=3,
                       progress=False)
     record = dataset[1]
     assert record["input_ids"][record["prompt_length"] :] == expected
@@ -101,7 +76,8 @@ def test_distill_cuts_answers_after_first_eos(target, tokenizer, tmp_path):
 
 def test_distill_resumes_after_a_kill_without_regenerating(target, tokenizer, tmp_path):
     output = str(tmp_path)
-    first = distill(target, tokenizer, PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    first = distill(target, tokenizer, CHAT_PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2,
+                    progress=False)
     # What a kill during the third batch leaves: two batches on disk, a half-written line, no dataset.
     lines = read_lines(output)
     kept = [dict(record, response="kept from the first run") for record in lines[:4]]
@@ -110,34 +86,35 @@ def test_distill_resumes_after_a_kill_without_regenerating(target, tokenizer, tm
         f.write(json.dumps(lines[4])[:20])
     shutil.rmtree(os.path.join(output, "dataset"))
 
-    resumed = distill(target, tokenizer, PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    resumed = distill(target, tokenizer, CHAT_PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2,
+                      progress=False)
     lines = read_lines(output)
-    assert sorted(record["id"] for record in lines) == list(range(len(PROMPTS)))  # no duplicates, none lost
+    assert sorted(record["id"] for record in lines) == list(range(len(CHAT_PROMPTS)))  # no duplicates, none lost
     assert [record["id"] for record in lines[:4]] == [record["id"] for record in kept]
     kept_ids = {record["id"] for record in kept}
     for old, new in zip(first, resumed):
         assert new["input_ids"] == old["input_ids"]
         assert (new["response"] == "kept from the first run") == (new["id"] in kept_ids)
 
-    distill(target, tokenizer, PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
-    assert len(read_lines(output)) == len(PROMPTS)  # a finished run generates nothing more
+    distill(target, tokenizer, CHAT_PROMPTS, output, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    assert len(read_lines(output)) == len(CHAT_PROMPTS)  # a finished run generates nothing more
 
 
 def test_distill_refuses_to_resume_a_different_run(target, tokenizer, tmp_path):
-    distill(target, tokenizer, PROMPTS[:2], str(tmp_path), max_new_tokens=4, progress=False)
+    distill(target, tokenizer, CHAT_PROMPTS[:2], str(tmp_path), max_new_tokens=4, progress=False)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        distill(target, tokenizer, PROMPTS[:2], str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, progress=False)
+        distill(target, tokenizer, CHAT_PROMPTS[:2], str(tmp_path), max_new_tokens=MAX_NEW_TOKENS, progress=False)
     with pytest.raises(ValueError, match="prompts"):
-        distill(target, tokenizer, PROMPTS[:3], str(tmp_path), max_new_tokens=4, progress=False)
+        distill(target, tokenizer, CHAT_PROMPTS[:3], str(tmp_path), max_new_tokens=4, progress=False)
 
 
 def test_distill_skips_prompts_over_the_token_limit(target, tokenizer, tmp_path):
-    limit = len(chat_prompt_ids(tokenizer, PROMPTS[1]))
-    dataset = distill(target, tokenizer, PROMPTS, str(tmp_path), max_new_tokens=2, max_prompt_tokens=limit,
+    limit = len(chat_prompt_ids(tokenizer, CHAT_PROMPTS[1]))
+    dataset = distill(target, tokenizer, CHAT_PROMPTS, str(tmp_path), max_new_tokens=2, max_prompt_tokens=limit,
                       progress=False)
-    expected = [i for i, prompt in enumerate(PROMPTS) if len(chat_prompt_ids(tokenizer, prompt)) <= limit]
+    expected = [i for i, prompt in enumerate(CHAT_PROMPTS) if len(chat_prompt_ids(tokenizer, prompt)) <= limit]
     assert dataset["id"] == expected
-    assert 0 < len(expected) < len(PROMPTS)
+    assert 0 < len(expected) < len(CHAT_PROMPTS)
 
 
 def test_records_survive_unicode_line_separators(tmp_path):

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_target
+from conftest import make_target, tiny_chat_target
 from safetensors.torch import load_file
-from test_distill import tiny_target
 from test_train import make_config, read_metrics, repetitive_dataset
 
 from hf_specformer.targets import load_tokenizer
@@ -87,13 +86,13 @@ def test_training_killed_repeatedly_ends_like_an_uninterrupted_run(tmp_path):
 
 def test_distillation_killed_repeatedly_loses_and_repeats_no_record(tmp_path):
     tokenizer = load_tokenizer()
-    target = tiny_target(tokenizer).float()
+    target = tiny_chat_target(tokenizer).float()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
 
     def command(output: Path) -> list[str]:
         return [sys.executable, "-m", "hf_specformer.training.distill", "--target", str(tmp_path / "target"),
-                "--output", str(output), "--max-new-tokens", "24", "--batch-size", "1", "--limit", "30",
+                "--output", str(output), "--max-new-tokens", "24", "--batch-size", "1", "--limit", "60",
                 "--threads", "1", "--device", "cpu"]
 
     _run(command(tmp_path / "reference"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_distill import tiny_target
+from conftest import tiny_chat_target
 
 from hf_specformer.targets import load_target, load_tokenizer
 from hf_specformer.training.synthesize import synthesize_prompts, user_turn_prefix_ids
@@ -50,5 +50,5 @@ def test_smollm2_writes_distinct_prompts_and_resumes_reproducibly(tokenizer, tmp
 
 def test_a_target_that_never_closes_its_turn_is_an_error(tokenizer, tmp_path):
     with pytest.raises(RuntimeError, match="instruction-tuned"):
-        synthesize_prompts(tiny_target(tokenizer), tokenizer, 2, str(tmp_path / "p.jsonl"), batch_size=2,
+        synthesize_prompts(tiny_chat_target(tokenizer), tokenizer, 2, str(tmp_path / "p.jsonl"), batch_size=2,
                            max_new_tokens=2, progress=False)
