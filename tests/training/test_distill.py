@@ -14,16 +14,10 @@ from datasets import load_from_disk
 from hf_specformer.batch_generation import cut_after_eos
 from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.records import append_records, read_records
-from hf_specformer.targets import load_tokenizer
 from hf_specformer.training.distill import distill
 from hf_specformer.training.distilled import load_distilled
 
 MAX_NEW_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,10 @@ import json
 import pytest
 from conftest import tiny_chat_target
 
-from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.targets import load_target
 from hf_specformer.training.synthesize import synthesize_prompts, user_turn_prefix_ids
 
 NUM_PROMPTS, BATCH_SIZE, MAX_NEW_TOKENS = 6, 4, 48
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 def test_user_turn_prefix_is_the_template_before_the_message(tokenizer):
