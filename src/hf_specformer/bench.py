@@ -15,10 +15,12 @@ oracle proposer drafts the target's own greedy continuation (all drafts accepted
 engine apart from drafter quality. A drafter can also be measured with prompt lookup on top (mode `DIR+lookup`,
 `generate(..., lookup_ngram_size=4)`; the plain drafter mode runs with lookup off); the oracle never uses it.
 Every drafter mode runs under each schedule asked for (`--schedules`): `fixed` (every row verifies k drafts),
-`goodput` (the goodput scheduler on the drafter's own confidence) and, with `--companion DIR`, `companion` (the
-goodput scheduler on Speculative Verification's (S, A) from the companion). The goodput scheduler's step costs are
+`goodput` (the goodput scheduler on the drafter's own confidence, packed steps), `padded` (the same over padded
+steps of one width, `packed_verification=False`) and, with `--companion DIR`, `companion` (the goodput scheduler on
+Speculative Verification's (S, A) from the companion). The goodput scheduler's step costs are
 measured before the first batch size (once per target, dtype, device and drafter; cached on disk), so their
-measurement is not part of any timing. Rows report the drafts verified per step and the mean width chosen.
+measurement is not part of any timing. Rows report the drafts verified per step, the mean width chosen and the share
+of inputs fed that were padding (computed as zeros by packed steps).
 
 Every row that differs from plain decoding is classified (`ties.py`): a tie where the target's two candidates are
 within rounding of each other in the dtype it runs in (expected in bfloat16/float16), or a true bug. Rows report
@@ -150,6 +152,7 @@ def split_mode(mode: str) -> tuple[str, int]:
 
 
 SCHEDULE_KWARGS = {"fixed": {"schedule": "fixed"}, "goodput": {"schedule": "goodput"},
+                   "padded": {"schedule": "goodput", "packed_verification": False},
                    "companion": {"schedule": "goodput"}}
 """Bench schedule -> `generate` arguments (`companion` adds the companion model)."""
 
@@ -213,7 +216,7 @@ class _ModeTally:
     def summary(self) -> dict:
         """Means over batches of what the schedule chose and how well it predicted."""
         width_counts = [sum(column) for column in zip(*(s["width_counts"] for s in self.stats))]
-        drafted = sum(s["drafted"] for s in self.stats)
+        drafted, padding = sum(s["drafted"] for s in self.stats), sum(s["padding"] for s in self.stats)
         return {
             "width_counts": width_counts,
             "mean_width": sum(w * n for w, n in enumerate(width_counts)) / max(sum(width_counts), 1),
@@ -223,6 +226,7 @@ class _ModeTally:
             "drafting_steps_share": sum(s["drafting_steps"] for s in self.stats)
             / max(sum(s["steps"] for s in self.stats), 1),
             "plain_decoding_share": sum(s["plain_decoding"] for s in self.stats) / max(len(self.stats), 1),
+            "padding_share": padding / max(padding + drafted + sum(s["row_steps"] for s in self.stats), 1),
             "tie_rows": sum(m["tie"] for m in self.mismatches),
             "true_bug_rows": sum(not m["tie"] for m in self.mismatches),
             "mismatches": self.mismatches,

@@ -74,13 +74,13 @@ class SoftOracle(OracleProposer):
 def assert_same_as_generate(
     target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
     lookup_ngram_size=None, confidence_threshold=None, schedule=None, step_costs=TEST_STEP_COSTS,
-    companion_model=None, **kwargs
+    companion_model=None, packed_verification=None, **kwargs
 ):
     """Speculative output equals `target.generate` token for token; returns the speculative output.
     `None` keeps `generate`'s defaults (the goodput schedule, here with `TEST_STEP_COSTS`)."""
     speculative_only = {
         "lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold, "schedule": schedule,
-        "step_costs": step_costs, "companion_model": companion_model,
+        "step_costs": step_costs, "companion_model": companion_model, "packed_verification": packed_verification,
     }
     kwargs_spec = {name: value for name, value in speculative_only.items() if value is not None}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)

@@ -334,6 +334,33 @@ def test_goodput_skips_drafting_that_does_not_pay_and_stays_lossless(kind):
     assert 0 < stats.drafting_steps < stats.steps, (stats.drafting_steps, stats.steps)
 
 
+# name: (target kind, batch size, k, schedule arguments)
+PACKED_CASES = {
+    "llama-b9-k3-goodput": ("llama", 9, 3, {}),
+    "qwen3-b16-k4-goodput": ("qwen3", 16, 4, {}),
+    "llama-b12-k4-threshold": ("llama", 12, 4, {"schedule": "fixed", "confidence_threshold": 0.4}),
+}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("case", sorted(PACKED_CASES))
+def test_packed_and_padded_verification_equal_generate(case, packed):
+    """Drafts of varying confidence (`SoftOracle`) make rows verify different numbers of drafts (packed goodput, or
+    a threshold), so steps feed padding after the shorter rows: zeros under packed verification, computed by the
+    layers otherwise."""
+    kind, batch_size, k, schedule = PACKED_CASES[case]
+    target = make_target(kind)
+    input_ids, mask = make_batch(batch_size, seed=batch_size + k, padded=True)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    proposer = SoftOracle(reference[:, input_ids.shape[1]:], k, TINY_VOCAB, corrupt=0.3)
+    output = assert_same_as_generate(target, proposer, input_ids, mask, lookup_ngram_size=0, max_new_tokens=24,
+                                     pad_token_id=PAD, packed_verification=packed, **schedule)
+    stats = output.speculation_stats
+    assert stats.drafted > 0
+    if packed or schedule:  # padded goodput steps give every row with drafts the one chosen width
+        assert stats.padding > 0
+
+
 def test_goodput_verifies_wide_steps_for_an_oracle():
     """All drafts right: the estimates climb and most steps verify all k."""
     target = make_target("llama")

@@ -69,18 +69,22 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
      ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 5, "fixed"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 31, "threshold"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 17, "goodput"),
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 19, "goodput-padded"),
      ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 23, "goodput"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 41, "companion")],
     ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup",
-         "t1.0-threshold", "t1.0-goodput", "t0.8-topk5-lookup-goodput", "t1.0-goodput-companion"],
+         "t1.0-threshold", "t1.0-goodput", "t1.0-goodput-padded", "t0.8-topk5-lookup-goodput",
+         "t1.0-goodput-companion"],
 )
 def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, schedule):
     """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest.
     `lookup`: the prompt holds "5 x" for every token x and ends with 5, so whatever token comes first, prompt
     lookup proposes one-hot drafts after it (checked). `threshold`: rows verify 1 to 3 of their drafts, by the
     drafts' cumulative probability (checked), so the token after a row's last verified draft is a bonus sample.
-    `goodput`: the goodput scheduler picks each step's width, 0 (a plain sampled step) included (checked), and
-    skips drafting when it does not pay; `companion`: the same with SV's (S, A) signals from a companion."""
+    `goodput`: the goodput scheduler picks how many drafts each row verifies, 0 included, so rows of one packed
+    step verify different numbers (checked), and skips drafting when it does not pay; `goodput-padded`: one width
+    per step, 0 (a plain sampled step) included (checked); `companion`: goodput with SV's (S, A) signals from a
+    companion."""
     target = sharp_target()
     drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
     prompt = torch.tensor(prompt)
@@ -96,6 +100,7 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     speculation = {
         "fixed": dict(schedule="fixed"), "threshold": dict(schedule="fixed", confidence_threshold=0.2),
         "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS),
+        "goodput-padded": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, packed_verification=False),
         "companion": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, companion_model=companion),
     }[schedule]
     rows = []
@@ -113,6 +118,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     if schedule == "threshold":
         assert 1.2 < stats.drafts_per_step < 2.8, stats.drafts_per_step
     if schedule in ("goodput", "companion") and prompt.tolist() != LOOKUP_PROMPT:  # lookup drafts stay accepted
+        assert stats.padding > 0, "rows of a packed step verify different numbers of drafts"
+    if schedule == "goodput-padded":
         assert stats.width_counts[0] > 0 and sum(stats.width_counts[1:]) > 0, stats.width_counts
     if prompt.tolist() == LOOKUP_PROMPT:
         assert stats.looked_up >= 5000, "every row's first drafts (of the last call's 5000) must come from lookup"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -58,21 +59,61 @@ def test_goodput_width_is_the_exact_optimum(seed):
     per_draft = torch.rand(16, 4, generator=generator) ** (seed + 0.5)
     cumulative = per_draft.cumprod(1)
     costs = linear_costs()
-    chosen = GoodputSchedule(costs, 4).choose(None, None, cumulative)
+    chosen = GoodputSchedule(costs, 4, packed=False).choose(None, None, cumulative)
     assert int(chosen.max()) == brute_force_width(cumulative, costs)
     assert (chosen == chosen.max()).all()  # every row verifies up to the chosen width: it is paid for
 
 
-def test_goodput_chooses_a_plain_step_when_drafts_do_not_pay_and_full_width_when_they_do():
-    schedule = GoodputSchedule(linear_costs(), 4)
+@pytest.mark.parametrize("packed", [False, True])
+def test_goodput_chooses_a_plain_step_when_drafts_do_not_pay_and_full_width_when_they_do(packed):
+    schedule = GoodputSchedule(linear_costs(), 4, packed=packed)
     assert schedule.choose(None, None, torch.full((8, 4), 0.1).cumprod(1)).tolist() == [0] * 8
     assert schedule.choose(None, None, torch.full((8, 4), 0.97).cumprod(1)).tolist() == [4] * 8
 
 
-def test_rows_without_drafts_verify_none():
+@pytest.mark.parametrize("packed", [False, True])
+def test_rows_without_drafts_verify_none(packed):
     confident = [0.99, 0.98, 0.97]
     cumulative = torch.tensor([confident] * 4 + [[0.0, 0.0, 0.0], [0.99, 0.0, 0.0]])  # row 4: no draft at all
-    assert GoodputSchedule(linear_costs(max_width=3), 3).choose(None, None, cumulative).tolist() == [3, 3, 3, 3, 0, 1]
+    schedule = GoodputSchedule(linear_costs(max_width=3), 3, packed=packed)
+    assert schedule.choose(None, None, cumulative).tolist() == [3, 3, 3, 3, 0, 1]
+
+
+def brute_force_packed(cumulative: torch.Tensor, schedule: GoodputSchedule) -> float:
+    """The best rate over every choice of a prefix per row (all (k + 1)^B of them)."""
+    batch, k = cumulative.shape
+    best = 0.0
+    for counts in itertools.product(range(k + 1), repeat=batch):
+        gain = sum(float(cumulative[b, :n].sum()) for b, n in enumerate(counts))
+        seconds = schedule.packed_step_seconds(batch, torch.tensor(float(batch + sum(counts))))
+        best = max(best, (batch + gain) / float(seconds))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_goodput_is_the_best_choice_of_row_prefixes(seed):
+    """The batch greedy over (row, draft) candidates reaches the best rate of all per-row prefix choices, and it
+    gives rows different counts where their estimates differ."""
+    generator = torch.Generator().manual_seed(seed)
+    cumulative = (torch.rand(4, 3, generator=generator) ** 0.3).cumprod(1)
+    schedule = GoodputSchedule(linear_costs(slope=0.3 + 0.1 * seed, max_width=3), 3)
+    counts = schedule.choose(None, None, cumulative)
+    gain = sum(float(cumulative[b, :n].sum()) for b, n in enumerate(counts.tolist()))
+    rate = (4 + gain) / float(schedule.packed_step_seconds(4, torch.tensor(4.0 + float(counts.sum()))))
+    assert rate == pytest.approx(brute_force_packed(cumulative, schedule))
+
+
+def test_packed_goodput_verifies_only_the_likely_drafts_of_each_row():
+    cumulative = torch.tensor([[0.9, 0.8, 0.7], [0.2, 0.1, 0.05], [0.95, 0.1, 0.05], [0.0, 0.0, 0.0]])
+    assert GoodputSchedule(linear_costs(max_width=3), 3).choose(None, None, cumulative).tolist() == [3, 0, 1, 0]
+
+
+def test_packed_step_cost_interpolates_between_widths_and_ignores_noise():
+    costs = StepCostModel([1, 8], [[1.0, 0.5, 3.0], [8.0, 12.0, 16.0]], [0.1, 0.8])  # B = 1: w = 1 measured too low
+    schedule = GoodputSchedule(costs, 2)
+    seconds = schedule.packed_step_seconds(8, torch.tensor([8.0, 12.0, 16.0, 20.0, 24.0]))
+    assert seconds.tolist() == pytest.approx([8.0, 10.0, 12.0, 14.0, 16.0])
+    assert schedule.step_seconds(1).tolist() == [1.0, 1.0, 3.0]
 
 
 def test_should_draft_stops_when_drafting_does_not_pay_and_probes():

@@ -29,6 +29,7 @@ from .acceptance import DRAFTER, SIGNALS, AcceptanceEstimator, AcceptanceTable, 
 from .attention import GroupedQueryAttention
 from .batch import RaggedBatch
 from .drafting import Proposer
+from .packing import PackedLinears
 from .processing import RaggedLogitsProcessor
 from .products import FewRowLinears
 from .scheduling import (
@@ -208,7 +209,7 @@ def step_cost_description(model, proposer: Proposer, cpu_speedups: bool) -> dict
 
 
 def _make_schedule(model, proposer, patches, patched, batch_size, schedule, confidence_threshold, step_costs,
-                   expected_accepted):
+                   expected_accepted, packed):
     """The schedule object for `schedule` ("goodput" or "fixed"); goodput measures or loads its step costs."""
     k = proposer.num_draft_tokens
     if schedule == "fixed":
@@ -220,7 +221,7 @@ def _make_schedule(model, proposer, patches, patched, batch_size, schedule, conf
             step_cost_description(model, proposer, patched), batch_size, k,
             lambda sizes, width: measure_step_costs(model, proposer, patches, sizes, width),
         )
-    return GoodputSchedule(costs, k, expected_accepted)
+    return GoodputSchedule(costs, k, expected_accepted, packed=packed)
 
 
 def _make_estimator(acceptance_table: dict | AcceptanceTable | None, companion, num_slots: int):
@@ -352,6 +353,7 @@ def speculative_decode(
     companion=None,
     acceptance_table: dict | AcceptanceTable | None = None,
     cpu_speedups: bool = True,
+    packed_verification: bool = True,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -374,6 +376,8 @@ def speculative_decode(
         acceptance_table: the estimator's calibrated table (`AcceptanceTable` or its dict); default uncalibrated.
         cpu_speedups: on a CPU target, run the loop's forwards with `FewRowLinears` and `GroupedQueryAttention`
             (restored after the call, also on exceptions); False turns them off. Never applied on other devices.
+        packed_verification: a step's linear layers compute only the inputs it verifies (`packing.py`), and the
+            goodput scheduler picks (row, draft) pairs by their cost in inputs; False: padded steps of one width.
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
@@ -400,14 +404,15 @@ def speculative_decode(
         if schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
     plan = _make_schedule(model, proposer, patches, patched, input_ids.shape[0], schedule, confidence_threshold,
-                          step_costs, expected)
+                          step_costs, expected, packed_verification)
     if not plan.speculation_pays(input_ids.shape[0]):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
     with patches():
         return _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-            speculative_streamer, compaction_hole_fraction, plan, estimator, companion, model_kwargs,
+            speculative_streamer, compaction_hole_fraction, plan, estimator, companion, packed_verification,
+            model_kwargs,
         )
 
 
@@ -432,7 +437,7 @@ def _plain_decode(
 
 def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-    compaction_hole_fraction, plan, estimator, companion, model_kwargs,
+    compaction_hole_fraction, plan, estimator, companion, packed_verification, model_kwargs,
 ):
     """The body of `speculative_decode`: prefill, then verification steps until every row has finished."""
     cache = model_kwargs.get("past_key_values")
@@ -450,6 +455,7 @@ def _decode(
     stats = proposer.stats = SpecStats(num_draft_tokens=k)
     proposer.start()
     caches = _caches(cache, proposer)
+    packed_linears = PackedLinears(model)
     if speculative_streamer is not None:
         speculative_streamer.put(input_ids.cpu())
 
@@ -480,9 +486,11 @@ def _decode(
         draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
         attention_mask, position_ids = batch.step_inputs(width + 1)
-        output = target_forward(
-            model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
-        )
+        verified = torch.arange(width + 1, device=step_ids.device) <= num_drafts[:, None]  # [B, width + 1]
+        with packed_linears.select(verified, packed_verification):
+            output = target_forward(
+                model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
+            )
         target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
         if do_sample:
             target_probs = target_scores.softmax(-1)

@@ -24,6 +24,8 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         measured once per model, dtype, device and drafter and cached under `$HF_SPECFORMER_CACHE`.
     cpu_speedups: on a CPU target, the loop's few-row matrix products and grouped-query attention
         (`products.py`, `attention.py`; default True). Never applied on GPUs.
+    packed_verification: a step's linear layers compute only the inputs it verifies, and the goodput scheduler
+        picks (row, draft) pairs by their cost in inputs (`packing.py`; default True); False: padded steps.
     confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative draft
         probability is at least this (default 0: all k; looked-up drafts count as certain).
 transformers' names are accepted too, as arguments or in a `GenerationConfig`: `num_assistant_tokens` (k),
@@ -230,6 +232,7 @@ def generate(
     companion_model=None,
     step_costs=None,
     cpu_speedups: bool = True,
+    packed_verification: bool = True,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -268,6 +271,7 @@ def generate(
         schedule=schedule,
         step_costs=step_costs,
         cpu_speedups=cpu_speedups,
+        packed_verification=packed_verification,
         companion=companion,
         acceptance_table=_acceptance_table(assistant_model, companion) if schedule == "goodput" else None,
         **kwargs,

@@ -30,6 +30,8 @@ class SpecStats:
         predicted_accepted: the scheduler's expected accepted drafts, summed over the drafts it verified (with
             `accepted` it gives predicted vs realised acceptance; 0 for schedules that estimate nothing).
         drafting_steps: steps whose drafts came from running the drafter (the rest skipped its slot stage).
+        padding: inputs fed after a row's verified drafts to fill the step's rectangle (rows verifying fewer drafts
+            than the widest); with packed verification the linear layers skip them (`packing.py`).
         plain_decoding: the goodput scheduler predicted that no width pays at this batch size, so the call ran
             plain decoding (every step width 0, no drafter).
     """
@@ -45,9 +47,11 @@ class SpecStats:
     predicted_accepted: float = 0.0
     drafting_steps: int = 0
     plain_decoding: bool = False
+    padding: int = 0
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
-    _totals: torch.Tensor | None = None  # on the device: drafted, accepted, predicted, looked up, accepted_at, widths
+    _totals: torch.Tensor | None = None  # on the device: drafted, accepted, predicted, looked up, accepted_at,
+    # widths, padding
 
     def __post_init__(self):
         self.accepted_at = [0] * self.num_draft_tokens
@@ -57,7 +61,7 @@ class SpecStats:
         if self._totals is None:
             self._row_steps = torch.zeros(batch_size, dtype=torch.long, device=device)
             self._row_accepted = torch.zeros(batch_size, dtype=torch.long, device=device)
-            self._totals = torch.zeros(4 + 2 * self.num_draft_tokens + 1, dtype=torch.float64, device=device)
+            self._totals = torch.zeros(4 + 2 * self.num_draft_tokens + 2, dtype=torch.float64, device=device)
 
     def record(
         self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int,
@@ -78,7 +82,8 @@ class SpecStats:
             step[2] = (predicted * verified).sum()
         at_least = torch.arange(1, k + 1, device=num_accepted.device)[None, :] <= num_accepted[:, None]  # [B, k]
         step[4 : 4 + k] = at_least.sum(0)
-        step[4 + k :] = torch.nn.functional.one_hot(num_drafts.max(), k + 1)
+        step[4 + k : -1] = torch.nn.functional.one_hot(num_drafts.max(), k + 1)
+        step[-1] = num_drafts.max() * num_drafts.numel() - num_drafts.sum()
         self._totals += step
         self._row_steps.index_add_(0, row_ids, torch.ones_like(row_ids))
         self._row_accepted.index_add_(0, row_ids, num_accepted)
@@ -97,7 +102,8 @@ class SpecStats:
         self.drafted, self.accepted, self.looked_up = int(totals[0]), int(totals[1]), int(totals[3])
         self.predicted_accepted = float(totals[2])
         self.accepted_at = [int(count) for count in totals[4 : 4 + k]]
-        self.width_counts = [int(count) for count in totals[4 + k :]]
+        self.width_counts = [int(count) for count in totals[4 + k : -1]]
+        self.padding = int(totals[-1])
 
     @property
     def tokens_per_step(self) -> float:
@@ -155,4 +161,5 @@ class SpecStats:
             "predicted_acceptance_rate": self.predicted_acceptance_rate,
             "drafting_steps": self.drafting_steps,
             "plain_decoding": self.plain_decoding,
+            "padding": self.padding,
         }

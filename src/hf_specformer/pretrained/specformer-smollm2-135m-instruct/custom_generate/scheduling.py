@@ -15,10 +15,16 @@ Every verified draft is a row of the target forward, accepted or not. Three sche
 Choices where the paper is silent or does not fit this engine:
 - Expected committed tokens are B + sum_b sum_{j <= w_b} q_{b,j}: the paper's goodput counts accepted drafts only,
   which cannot compare a speculative step with a plain one (every row commits one token either way).
-- The engine's verification forward is padded: every row feeds w + 1 inputs, and the cost depends on (B, w) only.
-  The paper's batch greedy (add the (row, position) of largest gain while goodput rises) then reduces to choosing
-  w: once a row's position j <= w is paid for, verifying it is free. So w* = argmax_w (B + sum_b sum_{j<=w}
-  q_{b,j}) / t(B, w), the exact optimum, and each row verifies its drafts up to w* (fewer where it has fewer).
+- Packed verification (the default, `packing.py`): a step's linear layers compute only the inputs it verifies, so
+  its cost depends on the inputs fed in all, T = B + sum_b n_b. The paper's batch greedy applies as written: the
+  (row, position) candidates by decreasing q_{b,j}, and the prefix of them that maximises (B + gain) / t(B, T).
+  t(B, T) is t(B, w) at the fractional width T / B - 1, interpolated between the widths measured (the attention,
+  still over the padded rectangle, is a small share of a step). The sort is stable, so every prefix of candidates
+  is a union of row prefixes, and the choice is the exact optimum over per-row prefixes under that cost.
+- Padded verification (`packed_verification=False`): every row feeds w + 1 inputs, and the cost depends on (B, w)
+  only. The batch greedy then reduces to choosing w: once a row's position j <= w is paid for, verifying it is
+  free. So w* = argmax_w (B + sum_b sum_{j<=w} q_{b,j}) / t(B, w), the exact optimum, and each row verifies its
+  drafts up to w* (fewer where it has fewer).
 - Per call (SGLang's per-batch-size choice, from measurements rather than fixed buckets): the engine's best
   predicted rate with drafts, max_{w >= 1} B (1 + E_w) / (t(B, w) + t_d(B)) from the calibrated expected gains E_w
   (`AcceptanceTable.expected_accepted`), is compared with plain decoding's B / t_plain(B), where t_plain is
@@ -35,6 +41,8 @@ Choices where the paper is silent or does not fit this engine:
   per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t(B, 0). Otherwise the
   drafter only extends its context cache (`Proposer.propose(..., draft=False)`); prompt lookup still proposes,
   at no cost. Every `PROBE_INTERVAL` steps without drafting it drafts once, so E_w follows the text.
+- Both predictions (`should_draft`, `speculation_pays`) rate every row verifying w drafts, also for packed steps,
+  whose per-row choice does at least as well: they err toward plain steps, the side that cannot lose.
 """
 
 from __future__ import annotations
@@ -260,7 +268,7 @@ class FixedSchedule:
 
 
 class GoodputSchedule:
-    """Speculative Verification's goodput scheduler over a padded forward (see the module docstring).
+    """Speculative Verification's goodput scheduler (see the module docstring).
 
     Args:
         costs: the step-cost model of this target, dtype, device and drafter.
@@ -268,17 +276,19 @@ class GoodputSchedule:
         expected_accepted: E_w for w = 0.. from calibration (shorter lists are extended with their last value), or
             None: unknown until the first drafted step.
         probe_interval: steps without drafting after which it drafts once.
+        packed: steps are packed (cost by inputs fed, per-(row, draft) choice) rather than padded (one width).
     """
 
     def __init__(
         self, costs: StepCostModel, num_draft_tokens: int, expected_accepted: list[float] | None = None,
-        probe_interval: int = PROBE_INTERVAL,
+        probe_interval: int = PROBE_INTERVAL, packed: bool = True,
     ):
         if not costs.covers(1, num_draft_tokens):
             raise ValueError(f"The step costs measure widths up to {costs.max_width}, not k = {num_draft_tokens}.")
         self.costs = costs
         self.num_draft_tokens = num_draft_tokens
         self.probe_interval = probe_interval
+        self.packed = packed
         self.expected: torch.Tensor | None = None  # [k + 1] E_w, expected accepted drafts per row at width w
         if expected_accepted is not None:
             padded = list(expected_accepted) + [expected_accepted[-1]] * (num_draft_tokens + 1)
@@ -288,23 +298,53 @@ class GoodputSchedule:
     needs_confidence = False  # it reads the estimates (`cumulative`), which need the probabilities anyway
 
     def step_seconds(self, batch_size: int) -> torch.Tensor:
-        """`[k + 1]` t(B, w) for w = 0..k."""
-        return torch.tensor([self.costs.step(batch_size, w) for w in range(self.num_draft_tokens + 1)],
-                            dtype=torch.float64)
+        """`[k + 1]` t(B, w) for w = 0..k, made non-decreasing in w (a wider step computes a superset of a
+        narrower one; a measurement that says otherwise is noise)."""
+        seconds = [self.costs.step(batch_size, w) for w in range(self.num_draft_tokens + 1)]
+        return torch.tensor(seconds, dtype=torch.float64).cummax(0).values
+
+    def packed_step_seconds(self, batch_size: int, num_inputs: torch.Tensor) -> torch.Tensor:
+        """Seconds of packed steps feeding `num_inputs` inputs in all (B..B (k + 1), any shape): t(B, w) at the
+        fractional width num_inputs / B - 1, interpolated linearly between the measured widths."""
+        seconds = self.step_seconds(batch_size)
+        width = (num_inputs.double() / batch_size - 1).clamp(0, self.num_draft_tokens)
+        low = width.floor().long().clamp(max=self.num_draft_tokens - 1) if self.num_draft_tokens else width.long()
+        high = (low + 1).clamp(max=self.num_draft_tokens)
+        return seconds[low] + (width - low) * (seconds[high] - seconds[low])
 
     def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative: torch.Tensor,
                drafted: bool = True) -> torch.LongTensor:
         """cumulative `[B, k]` (q_{b,j}, 0 where a row has no draft) -> drafts each row verifies `[B]` (0..k).
         Steps whose drafts came from the drafter (`drafted`) update the running mean E_w that `should_draft`
         reads; lookup-only steps do not (they say nothing of what drafting would bring)."""
-        batch_size = cumulative.shape[0]
-        per_row = torch.cat([cumulative.new_zeros(batch_size, 1), cumulative.cumsum(1)], dim=1).double().cpu()
-        gain = per_row.sum(0)  # [k + 1] expected accepted drafts of the batch at width w
-        width = int(((batch_size + gain) / self.step_seconds(batch_size)).argmax())
+        batch_size, device = cumulative.shape[0], cumulative.device
+        cumulative = cumulative.double().cpu()
         if drafted:
-            self._remember(gain / batch_size)
-        has_draft = cumulative[:, :width] > 0
-        return has_draft.sum(1)
+            per_row = torch.cat([cumulative.new_zeros(batch_size, 1), cumulative.cumsum(1)], dim=1)
+            self._remember(per_row.mean(0))
+        counts = self._choose_packed(cumulative) if self.packed else self._choose_width(cumulative)
+        return counts.to(device)
+
+    def _choose_width(self, cumulative: torch.Tensor) -> torch.LongTensor:
+        """Padded steps: every row verifies its drafts up to the one width w* that maximises the rate."""
+        batch_size = cumulative.shape[0]
+        gain = torch.cat([cumulative.new_zeros(1), cumulative.sum(0).cumsum(0)])  # [k + 1] accepted drafts at w
+        width = int(((batch_size + gain) / self.step_seconds(batch_size)).argmax())
+        return (cumulative[:, :width] > 0).sum(1)
+
+    def _choose_packed(self, cumulative: torch.Tensor) -> torch.LongTensor:
+        """Packed steps, the paper's batch greedy: candidates (b, j) by decreasing q_{b,j} (a stable sort keeps each
+        row's drafts in order, so every prefix of candidates is a union of row prefixes), and the prefix of n
+        candidates that maximises (B + gain_n) / t_packed(B + n)."""
+        batch_size = cumulative.shape[0]
+        flat = cumulative.flatten()
+        gains, order = flat.sort(descending=True, stable=True)
+        gain = torch.cat([flat.new_zeros(1), gains.cumsum(0)])  # [B k + 1]
+        num_inputs = batch_size + torch.arange(gain.numel(), dtype=torch.float64)
+        best = int(((batch_size + gain) / self.packed_step_seconds(batch_size, num_inputs)).argmax())
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen[order[:best]] = True
+        return (chosen & (flat > 0)).view_as(cumulative).sum(1)
 
     def _remember(self, expected_per_row: torch.Tensor) -> None:
         if self.expected is None:
