@@ -64,7 +64,9 @@ New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (
 the row, the tokens that followed them are the drafts; 0 turns it off), `schedule` (`"goodput"`, the default:
 Speculative Verification's goodput scheduler picks each step how many drafts to verify, 0 included, from
 acceptance estimates (this drafter's calibrated confidence table, in `config.json`) and step costs measured once on
-the running machine; a call where no width can pay runs plain decoding; `"fixed"`: verify k every step),
+the running machine; each row verifies its own number of drafts in a packed step, whose linear layers compute
+only the inputs verified (`packed_verification=False`: padded steps of one width); a call where no step with
+drafts can pay runs plain decoding; `"fixed"`: verify k every step),
 `companion_model` (a Speculative Verification companion: its (S, A) signals replace the drafter's confidence),
 `step_costs` (the scheduler's cost model, to override the measurement), `confidence_threshold` (with
 `schedule="fixed"`: a row verifies its drafts while their cumulative draft probability is at least this).
@@ -180,8 +182,8 @@ gives its own distribution P_c; from P_c and the drafter's P_d the goodput sched
 and A = min(1, P_c(d) / P_d(d)) and maps them, through the calibrated table stored in `config.json`
 (`acceptance_table`), to acceptance probabilities. The scheduler then verifies, each step, the number of drafts per
 row that maximises expected committed tokens per second, plain decoding included. It reads the target's last hidden
-state at each row's last accepted input and the drafted chain; final norm, head and embeddings are the target's.
-{target_note}
+state at each row's last accepted input and the drafted chain; final norm, head and embeddings are the
+target's.{target_note}
 
 - parameters: {params:.2f}M; width {width}, one causal block over the chain; P_c over {vocab}
 - pairs with the drafter `{drafter}`; outputs stay exactly the target's (it only decides what to verify)
@@ -237,7 +239,7 @@ def _calibration_section(report: dict | None) -> tuple[str, list[str]]:
 def _schedule_rows_section(bench_report: dict | None) -> tuple[str, list[str]]:
     if not bench_report:
         return "", []
-    rows = [r for r in bench_report["results"] if r.get("schedule") in ("fixed", "goodput", "companion")]
+    rows = [r for r in bench_report["results"] if r.get("schedule") in ("fixed", "goodput", "padded", "companion")]
     lines = ["## Measured speed by schedule (greedy, interleaved with plain `generate`, one run)", "",
              f"Machine: {bench_report['machine']['platform']}, {bench_report['machine']['threads']} threads; "
              f"{bench_report['config']['max_new_tokens']} new tokens, k = {bench_report['config']['num_draft_tokens']}."

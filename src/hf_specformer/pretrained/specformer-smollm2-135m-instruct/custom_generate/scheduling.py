@@ -308,9 +308,8 @@ class GoodputSchedule:
         fractional width num_inputs / B - 1, interpolated linearly between the measured widths."""
         seconds = self.step_seconds(batch_size)
         width = (num_inputs.double() / batch_size - 1).clamp(0, self.num_draft_tokens)
-        low = width.floor().long().clamp(max=self.num_draft_tokens - 1) if self.num_draft_tokens else width.long()
-        high = (low + 1).clamp(max=self.num_draft_tokens)
-        return seconds[low] + (width - low) * (seconds[high] - seconds[low])
+        low = width.floor().long().clamp(max=self.num_draft_tokens - 1)
+        return seconds[low] + (width - low) * (seconds[low + 1] - seconds[low])
 
     def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative: torch.Tensor,
                drafted: bool = True) -> torch.LongTensor:
