@@ -13,6 +13,13 @@ The cost of `W @ x^T` is not monotone in the rows: measured again this way (same
 kernels favour an even or four-wide right-hand side, so at B = 1 verifying k = 3 drafts (4 inputs) costs what a
 1-token forward does, while k = 4 (5 inputs) costs a third more; the shipped drafter's default k is 3.
 
+These are isolated timings. Inside the decoding loop the 16-row case did not hold: at B = 16 (SmolLM2, MT-bench,
+128 tokens, the engine forced to run, nearly all steps of width 0, so 16 rows), a call's 126 target forwards took
+20.2 s with the switch and 18.3 s with the bound lowered to 8 rows; a call without the switch took 17.5 s for its
+127. Timed alone at that batch, the same forward costs 87 ms with the switch and 89 ms without. The cause is not
+known. It does not reach plain `generate` calls: from B = 8 on the goodput scheduler runs
+transformers' plain loop, without this switch, on the testbed.
+
 `FewRowLinears` switches this on for the linear layers of given modules while the engine runs, and restores them
 after. It serves plain batched decoding on the CPU as well (B rows per forward: 1.6x at B = 4), e.g.
 
