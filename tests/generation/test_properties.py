@@ -24,7 +24,7 @@ PROPERTY_EXAMPLES = 400
 DRAFT_LENGTH = 4
 
 SCHEDULES = {
-    "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS),
+    "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False),
     "fixed": dict(schedule="fixed"),
     "threshold": dict(schedule="fixed", confidence_threshold=0.3),
 }

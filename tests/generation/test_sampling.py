@@ -99,9 +99,11 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
             model.config.acceptance_table = optimistic_table("sv" if model is companion else "confidence")
     speculation = {
         "fixed": dict(schedule="fixed"), "threshold": dict(schedule="fixed", confidence_threshold=0.2),
-        "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS),
-        "goodput-padded": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, packed_verification=False),
-        "companion": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, companion_model=companion),
+        "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False),
+        "goodput-padded": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, packed_verification=False,
+                               cost_feedback=False),
+        "companion": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, companion_model=companion,
+                          cost_feedback=False),
     }[schedule]
     rows = []
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)

@@ -59,14 +59,14 @@ def test_goodput_width_is_the_exact_optimum(seed):
     per_draft = torch.rand(16, 4, generator=generator) ** (seed + 0.5)
     cumulative = per_draft.cumprod(1)
     costs = linear_costs()
-    chosen = GoodputSchedule(costs, 4, packed=False).choose(None, None, cumulative)
+    chosen = GoodputSchedule(costs, 4, packed=False, feedback=False).choose(None, None, cumulative)
     assert int(chosen.max()) == brute_force_width(cumulative, costs)
     assert (chosen == chosen.max()).all()  # every row verifies up to the chosen width: it is paid for
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_goodput_chooses_a_plain_step_when_drafts_do_not_pay_and_full_width_when_they_do(packed):
-    schedule = GoodputSchedule(linear_costs(), 4, packed=packed)
+    schedule = GoodputSchedule(linear_costs(), 4, packed=packed, feedback=False)
     assert schedule.choose(None, None, torch.full((8, 4), 0.1).cumprod(1)).tolist() == [0] * 8
     assert schedule.choose(None, None, torch.full((8, 4), 0.97).cumprod(1)).tolist() == [4] * 8
 
@@ -75,7 +75,7 @@ def test_goodput_chooses_a_plain_step_when_drafts_do_not_pay_and_full_width_when
 def test_rows_without_drafts_verify_none(packed):
     confident = [0.99, 0.98, 0.97]
     cumulative = torch.tensor([confident] * 4 + [[0.0, 0.0, 0.0], [0.99, 0.0, 0.0]])  # row 4: no draft at all
-    schedule = GoodputSchedule(linear_costs(max_width=3), 3, packed=packed)
+    schedule = GoodputSchedule(linear_costs(max_width=3), 3, packed=packed, feedback=False)
     assert schedule.choose(None, None, cumulative).tolist() == [3, 3, 3, 3, 0, 1]
 
 
@@ -96,7 +96,7 @@ def test_packed_goodput_is_the_best_choice_of_row_prefixes(seed):
     gives rows different counts where their estimates differ."""
     generator = torch.Generator().manual_seed(seed)
     cumulative = (torch.rand(4, 3, generator=generator) ** 0.3).cumprod(1)
-    schedule = GoodputSchedule(linear_costs(slope=0.3 + 0.1 * seed, max_width=3), 3)
+    schedule = GoodputSchedule(linear_costs(slope=0.3 + 0.1 * seed, max_width=3), 3, feedback=False)
     counts = schedule.choose(None, None, cumulative)
     gain = sum(float(cumulative[b, :n].sum()) for b, n in enumerate(counts.tolist()))
     rate = (4 + gain) / float(schedule.packed_step_seconds(4, torch.tensor(4.0 + float(counts.sum()))))
@@ -105,19 +105,20 @@ def test_packed_goodput_is_the_best_choice_of_row_prefixes(seed):
 
 def test_packed_goodput_verifies_only_the_likely_drafts_of_each_row():
     cumulative = torch.tensor([[0.9, 0.8, 0.7], [0.2, 0.1, 0.05], [0.95, 0.1, 0.05], [0.0, 0.0, 0.0]])
-    assert GoodputSchedule(linear_costs(max_width=3), 3).choose(None, None, cumulative).tolist() == [3, 0, 1, 0]
+    schedule = GoodputSchedule(linear_costs(max_width=3), 3, feedback=False)
+    assert schedule.choose(None, None, cumulative).tolist() == [3, 0, 1, 0]
 
 
 def test_packed_step_cost_interpolates_between_widths_and_ignores_noise():
     costs = StepCostModel([1, 8], [[1.0, 0.5, 3.0], [8.0, 12.0, 16.0]], [0.1, 0.8])  # B = 1: w = 1 measured too low
-    schedule = GoodputSchedule(costs, 2)
+    schedule = GoodputSchedule(costs, 2, feedback=False)
     seconds = schedule.packed_step_seconds(8, torch.tensor([8.0, 12.0, 16.0, 20.0, 24.0]))
     assert seconds.tolist() == pytest.approx([8.0, 10.0, 12.0, 14.0, 16.0])
     assert schedule.step_seconds(1).tolist() == [1.0, 1.0, 3.0]
 
 
 def test_should_draft_stops_when_drafting_does_not_pay_and_probes():
-    schedule = GoodputSchedule(linear_costs(), 4, probe_interval=3)
+    schedule = GoodputSchedule(linear_costs(), 4, probe_interval=3, feedback=False)
     assert schedule.should_draft(8)  # nothing known yet: draft
     schedule.choose(None, None, torch.full((8, 4), 0.05).cumprod(1))
     decisions = [schedule.should_draft(8) for _ in range(8)]
@@ -183,16 +184,18 @@ def test_measured_step_costs_of_a_real_target():
 
 def test_speculation_pays_only_where_the_engine_beats_plain_decoding():
     costs = linear_costs(slope=0.4, draft=0.05)
-    assert GoodputSchedule(costs, 4).speculation_pays(64)  # nothing known: speculate
-    weak = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.3, 0.4, 0.45, 0.47])
-    strong = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.9, 1.7, 2.4, 3.0])
+    assert GoodputSchedule(costs, 4, feedback=False).speculation_pays(64)  # nothing known: speculate
+    weak = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.3, 0.4, 0.45, 0.47], feedback=False)
+    strong = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.9, 1.7, 2.4, 3.0], feedback=False)
     assert not weak.speculation_pays(64) and strong.speculation_pays(64)
     slow_plain = StepCostModel(costs.batch_sizes, costs.step_seconds, costs.draft_seconds,
                                plain_seconds=[1.3 * b for b in costs.batch_sizes])
-    assert GoodputSchedule(slow_plain, 4, expected_accepted=[0.0, 0.3, 0.4, 0.45, 0.47]).speculation_pays(64)
+    weak_slow_plain = GoodputSchedule(slow_plain, 4, expected_accepted=[0.0, 0.3, 0.4, 0.45, 0.47], feedback=False)
+    assert weak_slow_plain.speculation_pays(64)
     # an engine faster than plain decoding at width 0 (CPU patches, or noise) but whose drafts never pay: plain
-    assert not GoodputSchedule(slow_plain, 4, expected_accepted=[0.0, 0.05, 0.06, 0.07, 0.08]).speculation_pays(64)
-    short = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.9])  # extended with its last value
+    hopeless = GoodputSchedule(slow_plain, 4, expected_accepted=[0.0, 0.05, 0.06, 0.07, 0.08], feedback=False)
+    assert not hopeless.speculation_pays(64)
+    short = GoodputSchedule(costs, 4, expected_accepted=[0.0, 0.9], feedback=False)  # extended with its last value
     assert short.expected.tolist() == [0.0, 0.9, 0.9, 0.9, 0.9]
 
 

@@ -3,8 +3,10 @@
 A proposer is called once after every target forward (the prompt's prefill, then each verification step) with what
 that forward produced, and returns draft logits `[B, k, V]` for the k tokens that follow each row's newly committed
 token. The engine turns them into draft tokens (argmax or sampling, after logits processing). With `draft=False`
-(the goodput scheduler expects no drafts to pay, `scheduling.py`) it only keeps its state up to date and returns
-None, or free drafts only (prompt lookup). After each call `sources` `[B, k]` says where each draft came from
+(the goodput scheduler expects no drafts to pay, `scheduling.py`) it returns None, or free drafts only (prompt
+lookup), and may defer its own work to the next call that drafts (`SpecFormerProposer` does: a step that verifies
+nothing then costs what a plain decoding step does). The engine calls `select_rows` when rows retire and `flush`
+before it compacts the caches. After each call `sources` `[B, k]` says where each draft came from
 (`acceptance.DRAFTER`, `LOOKUP`, `NO_DRAFT`).
 
 - `SpecFormerProposer`: the SpecFormer drafter, fused with verification (paper: one forward per step). It reads the
@@ -28,6 +30,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .acceptance import DRAFTER, LOOKUP, NO_DRAFT
 from .batch import RaggedBatch
+from .caching import PreallocatedCache
 
 
 class Proposer(ABC):
@@ -45,8 +48,14 @@ class Proposer(ABC):
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = num_draft_tokens
 
-    def start(self) -> None:
-        """Resets per-call state before a new `generate` call."""
+    def start(self, capacity: int) -> None:
+        """Resets per-call state before a new `generate` call; `capacity`: cache columns the call can need."""
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        """Keeps the deferred state of the active rows `keep` (`[B']`); the engine selects the caches' rows."""
+
+    def flush(self, batch: RaggedBatch) -> None:
+        """Runs deferred work, so the caches hold every column the target's has (before compaction)."""
 
     def caches(self) -> list[Cache]:
         """Caches whose columns follow the target's (the engine drops rows and compacts holes in all of them)."""
@@ -85,7 +94,14 @@ class Proposer(ABC):
 
 
 class SpecFormerProposer(Proposer):
-    """Drafts with a `SpecFormerForDrafting` bound to the target (see the module docstring)."""
+    """Drafts with a `SpecFormerForDrafting` bound to the target (see the module docstring).
+
+    A call with `draft=False` defers the context stage: it keeps the step's hooked states, positions and next tokens
+    (`[B, T, 4, d]`, `[B, T]`, `[B, T]`) and feeds them, in order, ahead of the next drafting call's own inputs. The
+    context attention is causal in cache order with the final mask, so its states at accepted inputs are those of
+    feeding each step on its own; the next tokens are taken when each step commits, since later inputs no longer
+    follow them in the token sequence where drafts were rejected.
+    """
 
     requires_hidden_states = True
 
@@ -98,10 +114,19 @@ class SpecFormerProposer(Proposer):
             )
         self.drafter = drafter
         self.vocab_size = drafter.config.vocab_size
-        self.cache = DynamicCache()
+        self.cache: Cache = DynamicCache()
+        self.deferred: list[tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]] = []
 
-    def start(self) -> None:
-        self.cache = DynamicCache()
+    def start(self, capacity: int) -> None:
+        self.cache = PreallocatedCache(num_layers=1, capacity=capacity)
+        self.deferred = []
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        self.deferred = [tuple(tensor[keep] for tensor in inputs) for inputs in self.deferred]
+
+    def flush(self, batch: RaggedBatch) -> None:
+        if self.deferred:
+            self._forward(batch, *self._take_deferred(), draft_positions=None)
 
     def caches(self) -> list[Cache]:
         return [self.cache]
@@ -126,18 +151,32 @@ class SpecFormerProposer(Proposer):
         output.logits.float().softmax(-1)
 
     def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
-        hooked = self.drafter.select_hooked_states(hidden_states)
-        draft_positions = source_index[:, None] if draft else source_index[:, None][:, :0]
+        hooked = torch.stack(self.drafter.select_hooked_states(hidden_states), dim=2)  # [B, T, 4, d]
+        self.deferred.append((hooked, position_ids, batch.next_tokens(source_index, position_ids.shape[1])))
+        if not draft:
+            return None
+        offset = sum(inputs[1].shape[1] for inputs in self.deferred[:-1])
+        hooked, position_ids, next_token_ids = self._take_deferred()
+        return self._forward(batch, hooked, position_ids, next_token_ids, (offset + source_index)[:, None])
+
+    def _take_deferred(self) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
+        """The deferred inputs, concatenated along T, and none left."""
+        inputs, self.deferred = self.deferred, []
+        return tuple(torch.cat(parts, dim=1) for parts in zip(*inputs))
+
+    def _forward(self, batch, hooked, position_ids, next_token_ids, draft_positions) -> torch.Tensor | None:
+        """The drafter over T new inputs: its cache grows by T columns; draft logits `[B, k, V]` at `draft_positions`
+        `[B, 1]` (None: context only)."""
         output = self.drafter(
             hooked,
             position_ids=position_ids,
             attention_mask=batch.attention_mask,
             past_key_values=self.cache,
-            draft_positions=draft_positions,
+            draft_positions=draft_positions if draft_positions is not None else position_ids[:, :0],
             num_draft_tokens=self.num_draft_tokens,
-            next_token_ids=batch.next_tokens(source_index, position_ids.shape[1]),
+            next_token_ids=next_token_ids,
         )
-        return output.logits[:, 0] if draft else None  # [B, k, V]
+        return None if draft_positions is None else output.logits[:, 0]  # [B, k, V]
 
 
 LOOKUP_LOGIT_GAP = 1e4
@@ -179,7 +218,7 @@ class PromptLookupProposer(Proposer):
     the shipped drafter (k = 4): kappa 1.47 alone, 1.77 with lookup for n = 4..2 (n = 6..3: 1.72; n = 3..1: 1.72).
     A looked-up draft is one-hot (`LOOKUP_LOGIT_GAP`), so sampling stays lossless: it is accepted with the target's
     probability of that token, and a rejection samples the target's distribution without it.
-    The wrapped proposer still runs every step (SpecFormer's context cache must see every committed position).
+    The wrapped proposer sees every step (SpecFormer's context cache must see every committed position).
 
     Args:
         proposer: the proposer whose drafts are used where lookup finds nothing.
@@ -197,8 +236,14 @@ class PromptLookupProposer(Proposer):
         self.requires_hidden_states = proposer.requires_hidden_states
         self.vocab_size = proposer.vocab_size
 
-    def start(self) -> None:
-        self.proposer.start()
+    def start(self, capacity: int) -> None:
+        self.proposer.start(capacity)
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        self.proposer.select_rows(keep)
+
+    def flush(self, batch: RaggedBatch) -> None:
+        self.proposer.flush(batch)
 
     def caches(self) -> list[Cache]:
         return self.proposer.caches()

@@ -28,7 +28,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import DRAFTER, SIGNALS, AcceptanceEstimator, AcceptanceTable, uniform_edges
 from .attention import GroupedQueryAttention
 from .batch import RaggedBatch
+from .caching import PreallocatedCache
 from .drafting import Proposer
+from .feedback import StepClock
 from .packing import PackedLinears
 from .processing import RaggedLogitsProcessor
 from .products import FewRowLinears
@@ -147,12 +149,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _random_cache(config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> DynamicCache:
-    """A `DynamicCache` of `length` random key/value columns per row in every layer (for timing only)."""
+def _random_cache(config, batch_size: int, length: int, capacity: int, dtype, device) -> PreallocatedCache:
+    """A `PreallocatedCache` of `length` random key/value columns per row in every layer (for timing only)."""
     config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = (batch_size, getattr(config, "num_key_value_heads", config.num_attention_heads), length, head_dim)
-    cache = DynamicCache()
+    cache = PreallocatedCache(config.num_hidden_layers, capacity)
     for layer in range(config.num_hidden_layers):
         cache.update(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device),
                      layer)
@@ -170,7 +172,8 @@ def measure_step_costs(model, proposer: Proposer, patches, batch_sizes: list[int
     def forward(batch_size: int, width: int, hidden_states: bool) -> None:
         if batch_size not in caches:
             caches.clear()
-            caches[batch_size] = _random_cache(model.config, batch_size, PROFILE_CONTEXT, model.dtype, device)
+            caches[batch_size] = _random_cache(model.config, batch_size, PROFILE_CONTEXT,
+                                               PROFILE_CONTEXT + max_width + 1, model.dtype, device)
         cache = caches[batch_size]
         ids = torch.randint(vocab, (batch_size, width + 1), device=device)
         mask = torch.ones(batch_size, PROFILE_CONTEXT + width + 1, dtype=torch.long, device=device)
@@ -208,20 +211,22 @@ def step_cost_description(model, proposer: Proposer, cpu_speedups: bool) -> dict
     }
 
 
-def _make_schedule(model, proposer, patches, patched, batch_size, schedule, confidence_threshold, step_costs,
-                   expected_accepted, packed):
-    """The schedule object for `schedule` ("goodput" or "fixed"); goodput measures or loads its step costs."""
-    k = proposer.num_draft_tokens
-    if schedule == "fixed":
-        return FixedSchedule(k, confidence_threshold)
+def _step_cost_profile(model, proposer, patched: bool, batch_size: int, step_costs) -> StepCostModel | None:
+    """The step costs given, or those cached for this machine if they cover the batch; None: none (the goodput
+    scheduler then learns them from the call's own steps; a call never profiles, `feedback.py`)."""
     if step_costs is not None:
-        costs = StepCostModel.from_value(step_costs)
-    else:
-        costs = cached_step_costs(
-            step_cost_description(model, proposer, patched), batch_size, k,
-            lambda sizes, width: measure_step_costs(model, proposer, patches, sizes, width),
-        )
-    return GoodputSchedule(costs, k, expected_accepted, packed=packed)
+        return StepCostModel.from_value(step_costs)
+    description = step_cost_description(model, proposer, patched)
+    return cached_step_costs(description, batch_size, proposer.num_draft_tokens)
+
+
+def _make_schedule(schedule, num_draft_tokens, confidence_threshold, profile, expected_accepted, packed, feedback):
+    """The schedule object for `schedule` ("goodput" or "fixed")."""
+    if schedule == "fixed":
+        return FixedSchedule(num_draft_tokens, confidence_threshold)
+    if profile is None and not feedback:
+        raise ValueError("cost_feedback=False needs step costs: pass `step_costs=` (none are cached for this setup).")
+    return GoodputSchedule(profile, num_draft_tokens, expected_accepted, packed=packed, feedback=feedback)
 
 
 def _make_estimator(acceptance_table: dict | AcceptanceTable | None, companion, num_slots: int):
@@ -276,52 +281,70 @@ def _plan_step(
     return draft_ids, draft_probs, plan.choose(draft_ids, None, predicted, drafted), predicted
 
 
-def _gather_cache_columns(cache: Cache, index: torch.LongTensor) -> None:
-    """Keeps, per row, the cache columns `index` (`[B, L]`) in every layer of a `DynamicCache` (a sliding-window
-    layer's count of columns seen, which sizes its masks, too)."""
-    for layer in cache.layers:
-        heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-        expanded = index[:, None, :, None].expand(-1, heads, -1, dim)
-        layer.keys = layer.keys.gather(2, expanded)
-        layer.values = layer.values.gather(2, expanded)
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = index.shape[1]
-
-
 def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
     return [cache, *proposer.caches()]
 
 
-def _retire_rows(batch: RaggedBatch, caches: list[Cache], finished: torch.BoolTensor, *per_row):
-    """Drops finished rows from the batch and the caches; returns `per_row` tensors (None stays None) for the rest."""
+def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int) -> int:
+    """Columns the engine's caches hold: the prompt, the new tokens, one step of drafts, and as many columns again
+    for holes (rejected drafts) before compaction must make room."""
+    return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
+
+
+def _retire_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, finished: torch.BoolTensor, *per_row):
+    """Drops finished rows from the batch, the caches and the proposer's deferred work; returns `per_row` tensors
+    (None stays None) for the rest."""
     if not finished.any():
         return per_row
     keep = (~finished).nonzero().squeeze(1)
     batch.select_rows(keep)
+    proposer.select_rows(keep)
     for cache in caches:
         cache.batch_select_indices(keep)
     return tuple(None if tensor is None else tensor[keep] for tensor in per_row)
 
 
-def _maybe_compact(batch: RaggedBatch, caches: list[Cache], hole_fraction: float) -> None:
-    """Gathers each row's valid cache columns to the right once the columns it would remove (holes that every row
-    has, `RaggedBatch.removable_fraction`) reach `hole_fraction` of the columns."""
-    if batch.size and batch.removable_fraction() >= hole_fraction:
+def _maybe_compact(batch: RaggedBatch, caches: list[PreallocatedCache], proposer: Proposer, hole_fraction: float,
+                   room: int) -> None:
+    """Gathers each row's valid cache columns to the left once the columns it would remove (holes that every row
+    has, `RaggedBatch.removable_fraction`) reach `hole_fraction` of the columns, or when the next step's `room`
+    columns would not fit. The proposer runs its deferred work first, so its cache has the target's columns."""
+    if not batch.size:
+        return
+    full = batch.attention_mask.shape[1] + room > caches[0].capacity
+    if full or batch.removable_fraction() >= hole_fraction:
+        proposer.flush(batch)
         index = batch.compaction_index()
         for cache in caches:
-            _gather_cache_columns(cache, index)
+            cache.gather_columns(index)
         batch.compact(index)
 
 
-@contextlib.contextmanager
-def cpu_patches(model, modules: list[torch.nn.Module], enabled: bool = True):
-    """The loop's CPU speed-ups (`FewRowLinears` over `modules`, `GroupedQueryAttention` of `model`) while the block
-    runs, restored after it, also on exceptions; nothing when `enabled` is False or the model is not on the CPU."""
-    if not enabled or model.device.type != "cpu":
-        yield
-        return
-    with FewRowLinears(modules, head=model.get_output_embeddings()), GroupedQueryAttention(model):
-        yield
+class CpuPatches:
+    """The loop's CPU speed-ups (`FewRowLinears` over `modules`, `GroupedQueryAttention` of `model`), a context
+    manager entered around each forward that gains from them and restored after it, also on exceptions; nothing
+    when `enabled` is False or the model is not on the CPU."""
+
+    def __init__(self, model, modules: list[torch.nn.Module], enabled: bool = True):
+        self.patches = []
+        if enabled and model.device.type == "cpu":
+            self.patches = [FewRowLinears(modules, head=model.get_output_embeddings()), GroupedQueryAttention(model)]
+        self.stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> "CpuPatches":
+        stack = contextlib.ExitStack()
+        for patch in self.patches:
+            stack.enter_context(patch)
+        self.stack.append(stack)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stack.pop().close()
+
+
+def cpu_patches(model, modules: list[torch.nn.Module], enabled: bool = True) -> CpuPatches:
+    """`CpuPatches(model, modules, enabled)`, for a `with` block."""
+    return CpuPatches(model, modules, enabled)
 
 
 def target_forward(model, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep):
@@ -354,6 +377,7 @@ def speculative_decode(
     acceptance_table: dict | AcceptanceTable | None = None,
     cpu_speedups: bool = True,
     packed_verification: bool = True,
+    cost_feedback: bool = True,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -378,6 +402,8 @@ def speculative_decode(
             (restored after the call, also on exceptions); False turns them off. Never applied on other devices.
         packed_verification: a step's linear layers compute only the inputs it verifies (`packing.py`), and the
             goodput scheduler picks (row, draft) pairs by their cost in inputs; False: padded steps of one width.
+        cost_feedback: the goodput scheduler learns step costs from the call's timed steps and hands a losing call
+            over to plain steps (`feedback.py`); False: the given or cached costs as they are.
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
@@ -392,28 +418,23 @@ def speculative_decode(
     if companion is not None and schedule != "goodput":
         raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
     modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
-    patched = cpu_speedups and model.device.type == "cpu"
-
-    def patches():
-        return cpu_patches(model, modules, patched)
-
+    patches = CpuPatches(model, modules, cpu_speedups)
     if proposer.num_draft_tokens == 0:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
     estimator = _make_estimator(acceptance_table, companion, proposer.num_draft_tokens) \
         if schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
-    plan = _make_schedule(model, proposer, patches, patched, input_ids.shape[0], schedule, confidence_threshold,
-                          step_costs, expected, packed_verification)
+    profile = _step_cost_profile(model, proposer, bool(patches.patches), input_ids.shape[0], step_costs)
+    plan = _make_schedule(schedule, proposer.num_draft_tokens, confidence_threshold, profile, expected,
+                          packed_verification, cost_feedback)
     if not plan.speculation_pays(input_ids.shape[0]):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
-    with patches():
-        return _decode(
-            model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-            speculative_streamer, compaction_hole_fraction, plan, estimator, companion, packed_verification,
-            model_kwargs,
-        )
+    return _decode(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
+        compaction_hole_fraction, plan, estimator, companion, packed_verification, patches, profile, model_kwargs,
+    )
 
 
 def _plain_decode(
@@ -437,45 +458,53 @@ def _plain_decode(
 
 def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-    compaction_hole_fraction, plan, estimator, companion, packed_verification, model_kwargs,
+    compaction_hole_fraction, plan, estimator, companion, packed_verification, patches, profile, model_kwargs,
 ):
-    """The body of `speculative_decode`: prefill, then verification steps until every row has finished."""
-    cache = model_kwargs.get("past_key_values")
-    if not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0:
+    """The body of `speculative_decode`: prefill, then verification steps until every row has finished. A step that
+    verifies nothing runs `transformers`' own forward (no CPU patches) and the proposer defers its work, so it costs
+    what a plain decoding step does; every step is timed for the schedule (`feedback.py`)."""
+    given = model_kwargs.get("past_key_values")
+    if not isinstance(given, DynamicCache) or given.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
     do_sample = bool(generation_config.do_sample)
     k = proposer.num_draft_tokens
     needs_hidden_states = proposer.requires_hidden_states or companion is not None
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    capacity = cache_capacity(input_ids.shape[1], max_new_tokens, k)
+    cache = PreallocatedCache.like(given, model.config.get_text_config().num_hidden_layers, capacity)
     batch = RaggedBatch.start(
         input_ids, model_kwargs.get("attention_mask"), max_new_tokens + k + 1, _pad_token_id(generation_config)
     )
     processor = RaggedLogitsProcessor(logits_processor)
     commit = _Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer)
     stats = proposer.stats = SpecStats(num_draft_tokens=k)
-    proposer.start()
+    proposer.start(capacity)
     caches = _caches(cache, proposer)
     packed_linears = PackedLinears(model)
+    clock = StepClock(input_ids.device)
     if speculative_streamer is not None:
         speculative_streamer.put(input_ids.cpu())
 
     # Prefill: the prompt through the target; its last position gives the first token, the proposer the first drafts.
     position_ids = batch.prompt_position_ids()
-    output = target_forward(
-        model, input_ids, batch.attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=1
-    )
+    with patches:
+        output = target_forward(
+            model, input_ids, batch.attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=1
+        )
     batch.commit_prompt()
     first = _select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
     finished = commit(batch, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
     drafting = plan.should_draft(batch.size)
-    draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
+    with patches:
+        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
     source_states = _source_states(output, source_index) if companion is not None else None
     draft_logits, sources, source_states = _retire_rows(
-        batch, caches, finished, draft_logits, proposer.sources, source_states
+        batch, caches, proposer, finished, draft_logits, proposer.sources, source_states
     )
 
     while batch.size > 0:
+        _observe(clock, plan, stats, profile)
         stats.drafting_steps += drafting
         last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
         draft_ids, draft_probs, num_drafts, predicted = _plan_step(
@@ -483,14 +512,18 @@ def _decode(
             last_committed, drafting,
         )
         width = int(num_drafts.max())  # drafts fed per row this step
+        plan.stepped(width)
         draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
         attention_mask, position_ids = batch.step_inputs(width + 1)
-        verified = torch.arange(width + 1, device=step_ids.device) <= num_drafts[:, None]  # [B, width + 1]
-        with packed_linears.select(verified, packed_verification):
-            output = target_forward(
-                model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
-            )
+        if width:
+            verified = torch.arange(width + 1, device=step_ids.device) <= num_drafts[:, None]  # [B, width + 1]
+            with patches, packed_linears.select(verified, packed_verification):
+                output = target_forward(
+                    model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
+                )
+        else:
+            output = target_forward(model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, 0)
         target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
         if do_sample:
             target_probs = target_scores.softmax(-1)
@@ -503,14 +536,20 @@ def _decode(
         stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted)
         batch.commit_cache(num_accepted + 1, width + 1)
         finished = commit(batch, tokens, num_accepted + 1)
+        step_size = batch.size
+        clock.mark()
         drafting = plan.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
-        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted, draft=drafting)
+        with patches:
+            draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted, draft=drafting)
         source_states = _source_states(output, num_accepted) if companion is not None else None
         draft_logits, sources, source_states = _retire_rows(
-            batch, caches, finished, draft_logits, proposer.sources, source_states
+            batch, caches, proposer, finished, draft_logits, proposer.sources, source_states
         )
-        _maybe_compact(batch, caches, compaction_hole_fraction)
+        _maybe_compact(batch, caches, proposer, compaction_hole_fraction, k + 1)
+        clock.lap(("step", step_size, width, torch.stack([num_drafts.sum(), num_accepted.sum()]), drafting))
 
+    _observe(clock, plan, stats, profile)
+    stats.handoffs = plan.handoff.handoffs if isinstance(plan, GoodputSchedule) else 0
     stats.finish()
     if speculative_streamer is not None:
         speculative_streamer.end()
@@ -518,3 +557,11 @@ def _decode(
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences
+
+
+def _observe(clock: StepClock, plan, stats: SpecStats, profile: StepCostModel | None) -> None:
+    """Hands the steps timed so far to the schedule and the statistics; the clock then times the next step."""
+    steps = clock.read()
+    plan.observe(steps)
+    stats.record_seconds(steps, profile)
+    clock.restart()

@@ -21,7 +21,11 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         then estimates acceptance from SV's (S, A) signals through the companion's calibrated table; without one
         it uses the drafter's own confidence (through the drafter's table, when calibrated).
     step_costs: the goodput scheduler's step costs (`StepCostModel`, its dict, or a saved JSON file); default:
-        measured once per model, dtype, device and drafter and cached under `$HF_SPECFORMER_CACHE`.
+        those cached under `$HF_SPECFORMER_CACHE` for this model, dtype, device and drafter, if any.
+    cost_feedback: the goodput scheduler corrects the step costs from the call's own timed steps and hands a call
+        that falls behind plain decoding over to plain steps (`feedback.py`; default True). Step choices then
+        depend on timings, so seeded sampling is reproducible in distribution only; False keeps the given costs
+        (choices, and seeded samples, repeat exactly).
     cpu_speedups: on a CPU target, the loop's few-row matrix products and grouped-query attention
         (`products.py`, `attention.py`; default True). Never applied on GPUs.
     packed_verification: a step's linear layers compute only the inputs it verifies, and the goodput scheduler
@@ -233,6 +237,7 @@ def generate(
     step_costs=None,
     cpu_speedups: bool = True,
     packed_verification: bool = True,
+    cost_feedback: bool = True,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -272,6 +277,7 @@ def generate(
         step_costs=step_costs,
         cpu_speedups=cpu_speedups,
         packed_verification=packed_verification,
+        cost_feedback=cost_feedback,
         companion=companion,
         acceptance_table=_acceptance_table(assistant_model, companion) if schedule == "goodput" else None,
         **kwargs,

@@ -34,6 +34,10 @@ class SpecStats:
             than the widest); with packed verification the linear layers skip them (`packing.py`).
         plain_decoding: the goodput scheduler predicted that no width pays at this batch size, so the call ran
             plain decoding (every step width 0, no drafter).
+        seconds_by_width: `[k + 1]` seconds the loop spent in steps of width w (measured, drafting included).
+        predicted_seconds_by_width: `[k + 1]` what the step-cost profile predicted for the same steps (0 without
+            one), so that a gap between the loop and the profile stays visible.
+        handoffs: times the goodput scheduler's guard handed the call over to plain steps (`feedback.py`).
     """
 
     num_draft_tokens: int
@@ -48,6 +52,9 @@ class SpecStats:
     drafting_steps: int = 0
     plain_decoding: bool = False
     padding: int = 0
+    seconds_by_width: list[float] = field(default_factory=list)
+    predicted_seconds_by_width: list[float] = field(default_factory=list)
+    handoffs: int = 0
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
     _totals: torch.Tensor | None = None  # on the device: drafted, accepted, predicted, looked up, accepted_at,
@@ -56,6 +63,8 @@ class SpecStats:
     def __post_init__(self):
         self.accepted_at = [0] * self.num_draft_tokens
         self.width_counts = [0] * (self.num_draft_tokens + 1)
+        self.seconds_by_width = [0.0] * (self.num_draft_tokens + 1)
+        self.predicted_seconds_by_width = [0.0] * (self.num_draft_tokens + 1)
 
     def _start(self, batch_size: int, device: torch.device) -> None:
         if self._totals is None:
@@ -92,6 +101,16 @@ class SpecStats:
         """Drafts that prompt lookup proposed this step (`found` `[B, k]`), counted on the device."""
         self._start(batch_size, found.device)
         self._totals[3] += found.sum()
+
+    def record_seconds(self, steps: list[tuple[tuple, list[float]]], profile=None) -> None:
+        """Timed steps (`StepClock.read`, labelled as `GoodputSchedule.observe` reads them): their seconds by width,
+        and beside them what `profile` (a `StepCostModel`, or None) predicted."""
+        for (_, batch_size, width, counts, drafted), seconds in steps:
+            self.seconds_by_width[width] += sum(seconds)
+            if profile is not None:
+                drafts = int(counts[0])
+                step = profile.plain(batch_size) if width == 0 else profile.packed(batch_size, batch_size + drafts)
+                self.predicted_seconds_by_width[width] += step + (profile.draft(batch_size) if drafted else 0.0)
 
     def finish(self) -> None:
         """Copies the device counts into the attributes (one host synchronisation per call)."""
@@ -131,6 +150,16 @@ class SpecStats:
         return sum(w * n for w, n in enumerate(self.width_counts)) / max(self.steps, 1)
 
     @property
+    def seconds_per_step_by_width(self) -> list[float]:
+        """Mean measured seconds of a step of width w (0 where none ran)."""
+        return [seconds / max(count, 1) for seconds, count in zip(self.seconds_by_width, self.width_counts)]
+
+    @property
+    def predicted_seconds_per_step_by_width(self) -> list[float]:
+        """The profile's mean prediction for the same steps (0 without a profile)."""
+        return [seconds / max(count, 1) for seconds, count in zip(self.predicted_seconds_by_width, self.width_counts)]
+
+    @property
     def acceptance_by_position(self) -> list[float]:
         """Share of row-steps whose drafted position j was accepted (needs all earlier ones accepted too)."""
         return [count / max(self.row_steps, 1) for count in self.accepted_at]
@@ -162,4 +191,7 @@ class SpecStats:
             "drafting_steps": self.drafting_steps,
             "plain_decoding": self.plain_decoding,
             "padding": self.padding,
+            "seconds_per_step_by_width": self.seconds_per_step_by_width,
+            "predicted_seconds_per_step_by_width": self.predicted_seconds_per_step_by_width,
+            "handoffs": self.handoffs,
         }

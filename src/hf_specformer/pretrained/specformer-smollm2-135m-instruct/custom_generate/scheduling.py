@@ -8,9 +8,10 @@ Every verified draft is a row of the target forward, accepted or not. Three sche
   B = 1 on the CPU testbed (SmolLM2, k = 4): t = 0.3 took 1.14x to 1.31x, as fast as k = 3 with every draft verified.
 - `GoodputSchedule` (Speculative Verification, arXiv 2509.24328, section 5; vLLM's adaptive verification): from the
   estimated chance q_{b,j} that drafts 1..j of row b are all accepted (`acceptance.py`), pick the step that maximises
-  expected committed tokens per second under a step-cost model t(B, w) measured on the running machine
-  (`StepCostModel`). Width w = 0 is a plain decoding step, so speculation never costs more than it returns (up to the
-  accuracy of the estimates and the cost model).
+  expected committed tokens per second under step costs learnt from the call's own timed steps, starting from a
+  `StepCostModel` measured on the running machine where one is cached (`feedback.OnlineStepCosts`). Width w = 0 is a
+  plain decoding step, and a guard hands a call whose speculation falls behind over to plain steps
+  (`feedback.HandOff`), so speculation never costs more than it returns beyond the bound written there.
 
 Choices where the paper is silent or does not fit this engine:
 - Expected committed tokens are B + sum_b sum_{j <= w_b} q_{b,j}: the paper's goodput counts accepted drafts only,
@@ -38,9 +39,10 @@ Choices where the paper is silent or does not fit this engine:
   loop: no drafter, no hidden states, what plain `generate` costs. Without calibration it speculates.
 - Drafting itself costs (SpecFormer's slot stage and head, t_d(B)). The drafts of the next step are made before
   their estimates are known, so `should_draft` predicts: it keeps a running mean E_w of expected accepted drafts
-  per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t(B, 0). Otherwise the
-  drafter only extends its context cache (`Proposer.propose(..., draft=False)`); prompt lookup still proposes,
-  at no cost. Every `PROBE_INTERVAL` steps without drafting it drafts once, so E_w follows the text.
+  per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t_plain(B). Otherwise the
+  drafter defers its work (`Proposer.propose(..., draft=False)`); prompt lookup still proposes, at no cost. After
+  `PROBE_INTERVAL` steps without drafting it drafts once, so E_w follows the text; with cost feedback the interval
+  doubles after each probe that finds drafting still does not pay (up to `MAX_PROBE_BACKOFF`).
 - Both predictions (`should_draft`, `speculation_pays`) rate every row verifying w drafts, also for packed steps,
   whose per-row choice does at least as well: they err toward plain steps, the side that cannot lose.
 """
@@ -59,11 +61,17 @@ from pathlib import Path
 
 import torch
 
+from .feedback import PLAIN_REFRESH_STEPS, HandOff, OnlineStepCosts
+
 CONFIDENCE_THRESHOLD = 0.0
 """Default threshold on a row's cumulative draft probability for `FixedSchedule` (0: every row verifies all k)."""
 
 PROBE_INTERVAL = 8
 """Steps without drafting after which `GoodputSchedule.should_draft` drafts once to refresh its estimates."""
+
+MAX_PROBE_BACKOFF = 8
+"""With cost feedback, the interval between probes doubles after each probe that finds drafting still does not pay,
+up to this factor (a call that never gains then loses O(log N) probes, not N / PROBE_INTERVAL)."""
 
 EXPECTED_TOKENS_DECAY = 0.8
 """Weight of the past in the running mean E_w of expected accepted drafts per row."""
@@ -144,6 +152,16 @@ class StepCostModel:
             return self.step(batch_size, 0)
         return self._interpolate(self.plain_seconds, batch_size)
 
+    def packed(self, batch_size: int, num_inputs: float) -> float:
+        """Seconds of a packed step feeding `num_inputs` inputs in all (B..B (w + 1)): t(B, w) at the fractional
+        width num_inputs / B - 1, interpolated linearly between the measured widths, which are made non-decreasing
+        first (a wider step computes a superset of a narrower one; a measurement that says otherwise is noise)."""
+        width = min(max(num_inputs / batch_size - 1, 0.0), self.max_width)
+        low = min(int(width), self.max_width - 1)
+        below = max(self.step(batch_size, w) for w in range(low + 1))
+        above = max(below, self.step(batch_size, low + 1))
+        return below + (width - low) * (above - below)
+
     def save(self, path: str | os.PathLike) -> None:
         """Writes the model as JSON, atomically."""
         path = Path(path)
@@ -222,10 +240,11 @@ def step_costs_path(description: dict, folder: str | os.PathLike | None = None) 
 
 
 def cached_step_costs(
-    description: dict, batch_size: int, max_width: int, measure: Callable[[list[int], int], StepCostModel]
-) -> StepCostModel:
+    description: dict, batch_size: int, max_width: int,
+    measure: Callable[[list[int], int], StepCostModel] | None = None,
+) -> StepCostModel | None:
     """The cached model of `description` if it covers (batch_size, max_width); else `measure(batch_sizes, width)`
-    and cache the result. An unreadable cache file is measured anew and replaced."""
+    and cache the result, or None without `measure`. An unreadable cache file is measured anew and replaced."""
     path = step_costs_path(description)
     if path.exists():
         try:
@@ -234,6 +253,8 @@ def cached_step_costs(
                 return cached
         except ValueError:
             pass
+    if measure is None:
+        return None
     costs = measure(profile_batch_sizes(batch_size), max_width)
     costs.save(path)
     return costs
@@ -266,26 +287,38 @@ class FixedSchedule:
     def speculation_pays(self, batch_size: int) -> bool:
         return True
 
+    def stepped(self, width: int) -> None:
+        """Fixed schedules keep no count of steps."""
+
+    def observe(self, steps: list) -> None:
+        """Fixed schedules learn nothing from step timings."""
+
 
 class GoodputSchedule:
-    """Speculative Verification's goodput scheduler (see the module docstring).
+    """Speculative Verification's goodput scheduler (see the module docstring), on step costs learnt from the call's
+    own steps (`feedback.py`).
 
     Args:
-        costs: the step-cost model of this target, dtype, device and drafter.
+        costs: the step-cost model of this target, dtype, device and drafter (`StepCostModel`), the online costs
+            built on one (`OnlineStepCosts`), or None: learnt from the call's steps alone.
         num_draft_tokens: k, the widest step.
         expected_accepted: E_w for w = 0.. from calibration (shorter lists are extended with their last value), or
             None: unknown until the first drafted step.
         probe_interval: steps without drafting after which it drafts once.
         packed: steps are packed (cost by inputs fed, per-(row, draft) choice) rather than padded (one width).
+        feedback: learn the costs from timed steps (`observe`), run plain steps to measure them, and hand off when
+            speculation falls behind; False: `costs` as given (choices repeat exactly).
     """
 
     def __init__(
-        self, costs: StepCostModel, num_draft_tokens: int, expected_accepted: list[float] | None = None,
-        probe_interval: int = PROBE_INTERVAL, packed: bool = True,
+        self, costs: StepCostModel | OnlineStepCosts | None, num_draft_tokens: int,
+        expected_accepted: list[float] | None = None, probe_interval: int = PROBE_INTERVAL, packed: bool = True,
+        feedback: bool = True,
     ):
-        if not costs.covers(1, num_draft_tokens):
+        if isinstance(costs, StepCostModel) and not costs.covers(1, num_draft_tokens):
             raise ValueError(f"The step costs measure widths up to {costs.max_width}, not k = {num_draft_tokens}.")
-        self.costs = costs
+        self.costs = costs if isinstance(costs, OnlineStepCosts) else OnlineStepCosts(costs)
+        self.handoff = HandOff(self.costs)
         self.num_draft_tokens = num_draft_tokens
         self.probe_interval = probe_interval
         self.packed = packed
@@ -294,35 +327,54 @@ class GoodputSchedule:
             padded = list(expected_accepted) + [expected_accepted[-1]] * (num_draft_tokens + 1)
             self.expected = torch.tensor(padded[: num_draft_tokens + 1], dtype=torch.float64)
         self.steps_without_drafting = 0
+        self.probe_backoff = 1  # probes come every probe_interval x this steps; doubled while drafting does not pay
+        self.feedback = feedback
+        self.steps_since_plain: int | None = None if feedback else 0  # None: a plain step is due to measure t_plain
 
     needs_confidence = False  # it reads the estimates (`cumulative`), which need the probabilities anyway
 
     def step_seconds(self, batch_size: int) -> torch.Tensor:
-        """`[k + 1]` t(B, w) for w = 0..k, made non-decreasing in w (a wider step computes a superset of a
-        narrower one; a measurement that says otherwise is noise)."""
-        seconds = [self.costs.step(batch_size, w) for w in range(self.num_draft_tokens + 1)]
+        """`[k + 1]` t(B, w) for w = 0..k (w = 0: a plain step), non-decreasing in w."""
+        seconds = [self.costs.plain(batch_size)]
+        seconds += [self.costs.verify(batch_size, batch_size * (w + 1)) for w in range(1, self.num_draft_tokens + 1)]
         return torch.tensor(seconds, dtype=torch.float64).cummax(0).values
 
     def packed_step_seconds(self, batch_size: int, num_inputs: torch.Tensor) -> torch.Tensor:
-        """Seconds of packed steps feeding `num_inputs` inputs in all (B..B (k + 1), any shape): t(B, w) at the
-        fractional width num_inputs / B - 1, interpolated linearly between the measured widths."""
-        seconds = self.step_seconds(batch_size)
-        width = (num_inputs.double() / batch_size - 1).clamp(0, self.num_draft_tokens)
-        low = width.floor().long().clamp(max=self.num_draft_tokens - 1)
-        return seconds[low] + (width - low) * (seconds[low + 1] - seconds[low])
+        """Seconds of packed steps feeding `num_inputs` inputs in all (B..B (k + 1), any shape): a plain step at B
+        inputs, t_verify(B, T) above."""
+        values = num_inputs.double()
+        seconds = [self.costs.plain(batch_size) if inputs <= batch_size else self.costs.verify(batch_size, inputs)
+                   for inputs in values.flatten().tolist()]
+        return torch.tensor(seconds, dtype=torch.float64).view_as(values)
+
+    def _plain_due(self) -> bool:
+        """Whether the next step must be a plain one: the first of the call, a refresh of t_plain, or handed off."""
+        if not self.feedback:
+            return False
+        return self.handoff.active or self.steps_since_plain is None or self.steps_since_plain >= PLAIN_REFRESH_STEPS
 
     def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative: torch.Tensor,
                drafted: bool = True) -> torch.LongTensor:
         """cumulative `[B, k]` (q_{b,j}, 0 where a row has no draft) -> drafts each row verifies `[B]` (0..k).
         Steps whose drafts came from the drafter (`drafted`) update the running mean E_w that `should_draft`
-        reads; lookup-only steps do not (they say nothing of what drafting would bring)."""
+        reads; lookup-only steps do not (they say nothing of what drafting would bring). A due plain step verifies
+        nothing; while the costs of verifying are unknown, every draft is verified (the step measures them)."""
         batch_size, device = cumulative.shape[0], cumulative.device
         cumulative = cumulative.double().cpu()
         if drafted:
             per_row = torch.cat([cumulative.new_zeros(batch_size, 1), cumulative.cumsum(1)], dim=1)
             self._remember(per_row.mean(0))
-        counts = self._choose_packed(cumulative) if self.packed else self._choose_width(cumulative)
+        if self._plain_due():
+            counts = torch.zeros(batch_size, dtype=torch.long)
+        elif not self.costs.verify_known:
+            counts = (cumulative > 0).sum(1)
+        else:
+            counts = self._choose_packed(cumulative) if self.packed else self._choose_width(cumulative)
         return counts.to(device)
+
+    def stepped(self, width: int) -> None:
+        """The engine ran a step of this width (0: a plain step, with or without drafts to choose from)."""
+        self.steps_since_plain = 0 if width == 0 else self.steps_since_plain + 1
 
     def _choose_width(self, cumulative: torch.Tensor) -> torch.LongTensor:
         """Padded steps: every row verifies its drafts up to the one width w* that maximises the rate."""
@@ -358,23 +410,50 @@ class GoodputSchedule:
         return batch_size * (1 + self.expected) / seconds
 
     def _drafting_pays(self, batch_size: int) -> bool:
-        """max_w B (1 + E_w) / (t(B, w) + t_d(B)) > B / t(B, 0)."""
-        return bool(self._rates(batch_size)[1:].max() > batch_size / self.costs.step(batch_size, 0))
+        """max_w B (1 + E_w) / (t(B, w) + t_d(B)) > B / t_plain(B)."""
+        return bool(self._rates(batch_size)[1:].max() > batch_size / self.costs.plain(batch_size))
 
     def speculation_pays(self, batch_size: int) -> bool:
         """Whether a call at this batch size should run the engine at all rather than plain decoding (True while
-        E_w is unknown); see the module docstring."""
-        if self.expected is None:
+        E_w or the costs are unknown); see the module docstring."""
+        if self.expected is None or not self.costs.known:
             return True
         plain_rate = batch_size / self.costs.plain(batch_size)
         return bool(self._rates(batch_size)[1:].max() > (1 + ENGINE_OVERHEAD) * plain_rate)
 
     def should_draft(self, batch_size: int) -> bool:
-        """Whether drafting for the next step is expected to pay (or a probe is due)."""
-        if self.expected is None or batch_size == 0:
+        """Whether drafting for the next step is expected to pay (or a probe is due); never before a plain step."""
+        if batch_size == 0 or self.handoff.active or self.steps_since_plain is None:
+            return False
+        if self.feedback and self.steps_since_plain + 1 >= PLAIN_REFRESH_STEPS:  # the next step is plain anyway
+            return False
+        if self.expected is None or not self.costs.known:
             return True
-        if self._drafting_pays(batch_size) or self.steps_without_drafting >= self.probe_interval:
+        if self._drafting_pays(batch_size):
+            self.steps_without_drafting, self.probe_backoff = 0, 1
+            return True
+        if self.steps_without_drafting >= self.probe_interval * self.probe_backoff:
             self.steps_without_drafting = 0
+            self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF) if self.feedback else 1
             return True
         self.steps_without_drafting += 1
         return False
+
+    def observe(self, steps: list[tuple[tuple, list[float]]]) -> None:
+        """Timed steps (`StepClock.read`): ("step", B, width, [drafts verified, accepted], drafted) with the seconds
+        of verification (forward, verify, commit) and of drafting (propose, retire rows, compact). Updates the costs
+        and the hand-off guard; a step that verified nothing and drafted nothing is a plain step."""
+        if not self.feedback:
+            return
+        for (_, batch_size, width, counts, drafted), (verify_seconds, draft_seconds) in steps:
+            drafts, accepted = (int(count) for count in counts.tolist())
+            if width == 0:
+                self.costs.observe_plain(batch_size, verify_seconds + (0.0 if drafted else draft_seconds))
+                if self.handoff.active:
+                    self.handoff.plain_step()
+            else:
+                self.costs.observe_verify(batch_size, batch_size + drafts, verify_seconds)
+            if drafted:
+                self.costs.observe_draft(batch_size, draft_seconds)
+            if width or drafted:
+                self.handoff.observe(batch_size, batch_size + accepted, verify_seconds + draft_seconds)

@@ -1,0 +1,218 @@
+"""Step costs learnt from the call's own steps, and the rule that hands a losing call over to plain decoding steps.
+
+A start-up profile cannot promise "never slower than plain `generate`": on the CPU testbed the same step cost 1.3 to
+1.9x in the loop what a fresh machine's profile said, and a cost file measured elsewhere may be off by any factor. So
+the engine times every step it runs (`StepClock`: the wall clock on the CPU, CUDA events read a few steps late on a
+GPU, never a blocking synchronisation) and `OnlineStepCosts` keeps three costs from those timings:
+
+- a plain step (one input per row, nothing drafted): t_plain(B);
+- a verification step feeding T inputs in all (B rows, T > B): t_verify(B, T);
+- drafting for B rows (the drafter's slot stage, and its context stage over the steps it deferred): t_draft(B).
+
+Each is the profile's value (`scheduling.StepCostModel`, where one is cached) times a running ratio of measured to
+predicted seconds, or, with no profile, a line a + b x fitted to the timings (x: rows, or inputs fed). A step that
+verifies nothing is a plain step of `transformers`' own forward, since the drafter defers its work
+(`drafting.py`), so t_plain is measured in the loop itself: the engine runs a plain step first, and again whenever
+`PLAIN_REFRESH_STEPS` steps have passed without one.
+
+The guard (`HandOff`). Over the last `HANDOFF_WINDOW` speculative steps it compares the seconds they took with what
+plain steps would have taken for the same tokens, sum_i t_plain(B_i) c_i / B_i (c_i: tokens committed at step i, B_i
+its rows). When speculation is behind by more than `HANDOFF_MARGIN`, the call hands off: only plain steps for the
+next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th hand-off), then one probe. Bound: a hand-off comes at the latest
+`HANDOFF_WINDOW` steps after speculation starts to lose, each later probe loses at most one window again, and the
+back-off doubles, so a call of N steps that never gains loses at most about HANDOFF_WINDOW x (1 + log2(N /
+HANDOFF_BACKOFF)) steps' worth of the gap between a speculative and a plain step, against N plain steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+RATIO_DECAY = 0.7
+"""Weight of the past in the running ratio of measured to profiled seconds."""
+
+FIT_DECAY = 0.9
+"""Weight of the past in the least-squares line of a cost without a profile."""
+
+PLAIN_REFRESH_STEPS = 32
+"""Steps after which the engine runs a plain step again to re-measure t_plain."""
+
+HANDOFF_WINDOW = 16
+"""Speculative steps the guard compares with plain decoding."""
+
+HANDOFF_MARGIN = 0.02
+"""How far behind plain decoding (a share of its time) speculation may fall before the call hands off."""
+
+HANDOFF_BACKOFF = 16
+"""Plain steps after the first hand-off before speculation is tried again (doubled after each further one)."""
+
+
+class StepClock:
+    """Times the decoding loop's steps without blocking. `mark()` splits a step into segments; `lap(label)` ends the
+    step begun at the last `lap` or `restart`. `read()` returns `(label, [seconds of each segment])` for the steps
+    whose end has passed: all of them on the CPU; on CUDA those whose end event has completed. Tensors in a label
+    are copied to the host without blocking and read once the step has ended."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: deque = deque()
+        self.marks = [self._now()]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def restart(self) -> None:
+        """Forgets the time since the last lap (work that belongs to no step)."""
+        self.marks = [self._now()]
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def lap(self, label: tuple) -> None:
+        label = tuple(_to_host(item) if isinstance(item, torch.Tensor) else item for item in label)
+        self.marks.append(self._now())
+        self.pending.append((label, self.marks))
+        self.marks = [self.marks[-1]]
+
+    def read(self) -> list[tuple[tuple, list[float]]]:
+        done = []
+        while self.pending and (not self.cuda or self.pending[0][1][-1].query()):
+            label, marks = self.pending.popleft()
+            pairs = zip(marks, marks[1:])
+            done.append((label, [start.elapsed_time(end) / 1000 if self.cuda else end - start for start, end in pairs]))
+        return done
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor`, made without blocking on CUDA (pinned memory; valid once the stream reaches it)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class _Cost:
+    """One cost: `prior(key)` times the running ratio measured / prior, or without a prior a line a + b x fitted by
+    decayed least squares (a proportional one while a single x has been seen)."""
+
+    def __init__(self, prior: Callable | None):
+        self.prior = prior
+        self.ratio = 1.0
+        self.sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum y, sum x y
+        self.observed = 0
+
+    @property
+    def known(self) -> bool:
+        return self.prior is not None or self.observed > 0
+
+    def observe(self, key, x: float, seconds: float) -> None:
+        self.observed += 1
+        if self.prior is not None:
+            self.ratio = RATIO_DECAY * self.ratio + (1 - RATIO_DECAY) * seconds / self.prior(key)
+            return
+        for i, value in enumerate((1.0, x, x * x, seconds, x * seconds)):
+            self.sums[i] = FIT_DECAY * self.sums[i] + value
+
+    def __call__(self, key, x: float) -> float:
+        if self.prior is not None:
+            return self.prior(key) * self.ratio
+        n, sx, sxx, sy, sxy = self.sums
+        mean_x, mean_y = sx / n, sy / n
+        variance = sxx / n - mean_x**2
+        if variance <= 1e-6 * mean_x**2:
+            return mean_y * x / mean_x
+        slope = max((sxy / n - mean_x * mean_y) / variance, 0.0)
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:
+            return sxy / sxx * x
+        return intercept + slope * x
+
+
+class OnlineStepCosts:
+    """t_plain(B), t_verify(B, T) and t_draft(B) in seconds, from a profile corrected by the call's timings or from
+    the timings alone (see the module docstring).
+
+    Args:
+        profile: a `StepCostModel` measured on this machine, or None.
+    """
+
+    def __init__(self, profile=None):
+        self.profile = profile
+        has = profile is not None
+        self._plain = _Cost(profile.plain if has else None)
+        self._verify = _Cost((lambda key: profile.packed(*key)) if has else None)
+        self._draft = _Cost(profile.draft if has else None)
+
+    @property
+    def known(self) -> bool:
+        """Whether every cost has a value (a profile, or at least one timing each)."""
+        return self._plain.known and self._verify.known and self._draft.known
+
+    @property
+    def plain_known(self) -> bool:
+        return self._plain.known
+
+    @property
+    def verify_known(self) -> bool:
+        return self._verify.known
+
+    def plain(self, batch_size: int) -> float:
+        return self._plain(batch_size, batch_size)
+
+    def verify(self, batch_size: int, num_inputs: float) -> float:
+        """A step feeding `num_inputs` > B inputs in all; never less than a plain step."""
+        return max(self._verify((batch_size, num_inputs), num_inputs), self.plain(batch_size))
+
+    def draft(self, batch_size: int) -> float:
+        return self._draft(batch_size, batch_size)
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        self._plain.observe(batch_size, batch_size, seconds)
+
+    def observe_verify(self, batch_size: int, num_inputs: int, seconds: float) -> None:
+        self._verify.observe((batch_size, num_inputs), num_inputs, seconds)
+
+    def observe_draft(self, batch_size: int, seconds: float) -> None:
+        self._draft.observe(batch_size, batch_size, seconds)
+
+
+class HandOff:
+    """The guard of the module docstring: `observe` each speculative step; `active` while the call runs plain steps
+    because speculation fell behind."""
+
+    def __init__(self, costs: OnlineStepCosts, window: int = HANDOFF_WINDOW, backoff: int = HANDOFF_BACKOFF):
+        self.costs = costs
+        self.window = window
+        self.backoff = backoff
+        self.recent: deque = deque(maxlen=window)  # (seconds taken, seconds plain steps would take)
+        self.handoffs = 0
+        self.plain_steps_left = 0
+
+    @property
+    def active(self) -> bool:
+        return self.plain_steps_left > 0
+
+    def plain_step(self) -> None:
+        """Counts down a plain step taken while handed off."""
+        self.plain_steps_left = max(self.plain_steps_left - 1, 0)
+
+    def observe(self, batch_size: int, committed: int, seconds: float) -> None:
+        """A speculative step (its drafting included) of `batch_size` rows that committed `committed` tokens."""
+        if not self.costs.plain_known:
+            return
+        self.recent.append((seconds, self.costs.plain(batch_size) * committed / batch_size))
+        if len(self.recent) < self.window:
+            return
+        taken, plain = (sum(values) for values in zip(*self.recent))
+        if taken > (1 + HANDOFF_MARGIN) * plain:
+            self.plain_steps_left = self.backoff * 2**self.handoffs
+            self.handoffs += 1
+            self.recent.clear()

@@ -1,0 +1,175 @@
+"""Never slower by construction: the preallocated cache, deferred drafting, online step costs and the hand-off."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, make_drafter, make_target
+from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
+from transformers.cache_utils import DynamicCache
+
+from hf_specformer import OracleProposer, SpecFormerProposer
+from hf_specformer.generation.batch import RaggedBatch
+from hf_specformer.generation.caching import PreallocatedCache
+from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_WINDOW, HandOff, OnlineStepCosts
+from hf_specformer.generation.scheduling import StepCostModel
+
+
+def _forward(target, ids, mask, cache, positions):
+    return target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_preallocated_cache_equals_dynamic_cache_through_steps_row_selection_and_compaction(kind):
+    """The same forwards over both caches (a prefill, steps of several inputs, rows dropped, columns gathered):
+    equal logits and equal cached keys and values."""
+    target = make_target(kind)
+    input_ids, mask = make_batch(4, seed=3)
+    dynamic, preallocated = DynamicCache(), PreallocatedCache(target.config.num_hidden_layers, capacity=40)
+    generator = torch.Generator().manual_seed(0)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for step in range(4):
+        outputs = [_forward(target, input_ids, mask, cache, positions) for cache in (dynamic, preallocated)]
+        torch.testing.assert_close(outputs[0].logits, outputs[1].logits, rtol=0, atol=1e-12)
+        if step == 1:  # drop row 1
+            keep = torch.tensor([0, 2, 3])
+            dynamic.batch_select_indices(keep)
+            preallocated.batch_select_indices(keep)
+            mask, positions = mask[keep], positions[keep]
+        if step == 2:  # keep, per row, a random half of the columns (compaction's gather)
+            length = mask.shape[1]
+            index = torch.stack([torch.randperm(length, generator=generator)[: length // 2].sort().values
+                                 for _ in range(mask.shape[0])])
+            for layer in dynamic.layers:
+                expanded = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                layer.keys, layer.values = layer.keys.gather(2, expanded), layer.values.gather(2, expanded)
+            preallocated.gather_columns(index)
+            mask = mask.gather(1, index)
+        input_ids = torch.randint(3, TINY_VOCAB, (mask.shape[0], 3), generator=generator)
+        positions = positions[:, -1:] + 1 + torch.arange(3)
+        mask = torch.cat([mask, torch.ones(mask.shape[0], 3, dtype=mask.dtype)], dim=1)
+    for ours, theirs in zip(preallocated.layers, dynamic.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    assert preallocated.get_seq_length() == dynamic.get_seq_length() == preallocated.columns
+
+
+def test_preallocated_cache_refuses_to_overflow():
+    cache = PreallocatedCache(1, capacity=4)
+    cache.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), 0)
+    with pytest.raises(RuntimeError, match="holds 4 columns"):
+        cache.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), 0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind):
+    """A proposer that skips drafting for two steps (deferring its context stage, one step with a rejected input)
+    then drafts gives the draft logits of one that ran its context stage every step."""
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(3, seed=6)
+    cache = PreallocatedCache(target.config.num_hidden_layers, capacity=64)
+    batch = RaggedBatch.start(input_ids, mask, 16, PAD)
+    every, deferring = SpecFormerProposer(drafter, 3), SpecFormerProposer(drafter, 3)
+    for proposer in (every, deferring):
+        proposer.start(64)
+    positions = batch.prompt_position_ids()
+    output = target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    output_hidden_states=True)
+    batch.commit_prompt()
+    generator = torch.Generator().manual_seed(1)
+    source = torch.full((3,), input_ids.shape[1] - 1)
+    for step, (inputs, accepted) in enumerate([(1, 1), (3, 2), (1, 1)]):
+        batch.commit_tokens(torch.randint(3, TINY_VOCAB, (3, 1), generator=generator), torch.ones(3, dtype=torch.long))
+        logits = [proposer.propose(batch, output.hidden_states, positions, source, draft=step == 2 or proposer is every)
+                  for proposer in (every, deferring)]
+        if step < 2:  # deferred: its cache lags behind
+            assert logits[1] is None and deferring.cache.get_seq_length() < every.cache.get_seq_length()
+        else:
+            torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-9)
+            assert deferring.cache.get_seq_length() == every.cache.get_seq_length()
+        step_ids = torch.randint(3, TINY_VOCAB, (3, inputs), generator=generator)
+        step_mask, positions = batch.step_inputs(inputs)
+        output = target(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
+                        output_hidden_states=True)
+        batch.commit_cache(torch.full((3,), accepted), inputs)
+        source = torch.full((3,), accepted - 1)
+
+
+def test_online_costs_correct_a_wrong_profile_and_fit_a_line_without_one():
+    profile = StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8])
+    costs = OnlineStepCosts(profile)
+    for _ in range(30):  # the machine is twice as slow as the profile says
+        costs.observe_plain(8, 16.0)
+        costs.observe_verify(8, 16, 32.0)
+        costs.observe_draft(8, 1.6)
+    assert costs.plain(4) == pytest.approx(8.0, rel=1e-3) and costs.draft(4) == pytest.approx(0.8, rel=1e-3)
+    assert costs.verify(8, 12) == pytest.approx(24.0, rel=1e-3)
+    cold = OnlineStepCosts()
+    assert not cold.known
+    cold.observe_plain(4, 5.0)
+    assert cold.plain(8) == pytest.approx(10.0)  # one batch size seen: proportional
+    for rows in (2, 4, 8, 16):
+        cold.observe_plain(rows, 3.0 + 0.5 * rows)
+    assert cold.plain(32) == pytest.approx(19.0, rel=0.05)  # a + b x once sizes differ
+
+
+def test_handoff_when_speculation_falls_behind_with_doubling_backoff():
+    costs = OnlineStepCosts(StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8]))
+    guard = HandOff(costs)
+    for _ in range(HANDOFF_WINDOW):  # 1.5 tokens per row for 2.5x a plain step's time: behind
+        assert not guard.active
+        guard.observe(8, 12, 20.0)
+    assert guard.active and guard.plain_steps_left == HANDOFF_BACKOFF
+    for _ in range(HANDOFF_BACKOFF):
+        guard.plain_step()
+    assert not guard.active
+    for _ in range(HANDOFF_WINDOW):
+        guard.observe(8, 12, 20.0)
+    assert guard.plain_steps_left == 2 * HANDOFF_BACKOFF
+    ahead = HandOff(costs)
+    for _ in range(3 * HANDOFF_WINDOW):  # 2 tokens per row for 1.5x: ahead, never handed off
+        ahead.observe(8, 16, 12.0)
+    assert not ahead.active and ahead.handoffs == 0
+
+
+class ConfidentWrongOracle(OracleProposer):
+    """An oracle whose drafts are all wrong, with a calibrated table that expects 90% of them accepted: the
+    scheduler's estimates say drafting pays while every verified draft is rejected."""
+
+    def __init__(self, reference_new_tokens: torch.LongTensor, k: int):
+        super().__init__((reference_new_tokens + 1) % TINY_VOCAB, k, TINY_VOCAB, PAD)
+        self.config = SimpleNamespace(acceptance_table=optimistic_table("confidence"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_losing_call_hands_off_mid_call_and_still_equals_generate(kind):
+    """Speculation that can only lose (every draft rejected, estimates that say otherwise): the guard hands the call
+    over to plain steps part-way, and the greedy output (ragged rows, EOS) is still `generate`'s."""
+    target = make_target(kind)
+    input_ids, mask = make_batch(4, seed=21)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=80)
+    new_tokens = reference[:, input_ids.shape[1]:]
+    output = assert_same_as_generate(
+        target, ConfidentWrongOracle(new_tokens, 3), input_ids, mask, lookup_ngram_size=0, step_costs=None,
+        max_new_tokens=80, pad_token_id=PAD, eos_token_id=int(new_tokens[0, 50]),
+    )
+    stats = output.speculation_stats
+    assert stats.accepted == 0 and stats.drafted > 0
+    assert stats.handoffs >= 1 and stats.width_counts[0] > stats.steps // 2, (stats.handoffs, stats.width_counts)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_call_without_step_costs_measures_a_plain_step_first_and_equals_generate(kind):
+    """No profile cached and none given: the call does not profile; its first step is a plain one, and every step's
+    seconds are in the statistics."""
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(5, seed=4)
+    output = assert_same_as_generate(target, drafter, input_ids, mask, step_costs=None, max_new_tokens=20,
+                                     pad_token_id=PAD)
+    stats = output.speculation_stats
+    assert stats.width_counts[0] >= 1 and stats.drafting_steps >= 1
+    assert stats.seconds_per_step_by_width[0] > 0
+    assert stats.predicted_seconds_per_step_by_width == [0.0] * (stats.num_draft_tokens + 1)  # no profile
