@@ -185,3 +185,25 @@ def test_bench_rounds_reverse_the_order_and_count_every_row(tmp_path):
         [(1, 2, 2, 4), (2, 1, 2, 4)]
     assert all(row["mismatched_rows"] == 0 and row["plain_seconds"] > 0 for row in rows)
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
+
+
+def test_bench_gives_the_goodput_scheduler_deliberately_wrong_costs(tmp_path):
+    """`costs-x2` and `plain-x2`: a profile measured before the timings, distorted; every row still equals plain
+    `generate`, and the distorted profile is what the runs predicted from."""
+    import torch
+
+    from hf_specformer.bench import main as bench_main
+    from hf_specformer.targets import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    tiny_chat_target(tokenizer).float().save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHAT_PROMPTS))
+    threads = torch.get_num_threads()
+    report = bench_main(["--target", str(tmp_path / "target"), "--untrained", "--batch-sizes", "2",
+                         "--schedules", "costs-x2", "plain-x2", "--min-rows", "2", "--max-new-tokens", "8", "-k", "2",
+                         "--threads", "1", "--prompts", str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "b")])
+    torch.set_num_threads(threads)
+    rows = report["results"]
+    assert {row["schedule"] for row in rows} == {"costs-x2", "plain-x2"}
+    assert all(row["mismatched_rows"] == 0 for row in rows)

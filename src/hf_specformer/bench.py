@@ -17,10 +17,13 @@ engine apart from drafter quality. A drafter can also be measured with prompt lo
 Every drafter mode runs under each schedule asked for (`--schedules`): `fixed` (every row verifies k drafts),
 `goodput` (the goodput scheduler on the drafter's own confidence, packed steps), `padded` (the same over padded
 steps of one width, `packed_verification=False`) and, with `--companion DIR`, `companion` (the goodput scheduler on
-Speculative Verification's (S, A) from the companion). The goodput scheduler's step costs are
-measured before the first batch size (once per target, dtype, device and drafter; cached on disk), so their
-measurement is not part of any timing. Rows report the drafts verified per step, the mean width chosen and the share
-of inputs fed that were padding (computed as zeros by packed steps).
+Speculative Verification's (S, A) from the companion). `goodput` runs as `generate` does by default: from the step
+costs cached on this machine, if any, else learnt from its own steps (the first call at a batch size pays for that,
+as a user's would). `costs-x0.5`, `costs-x2` and `plain-x2` give the goodput scheduler a profile measured before
+any timing (`measure_step_costs`) and deliberately made wrong: every cost halved, doubled, or only the plain step's
+doubled (so the engine looks better than it is everywhere); the online feedback must recover. Rows report the
+drafts verified per step, the mean width chosen and the share of inputs fed that were padding (computed as zeros by
+packed steps).
 
 Every row that differs from plain decoding is classified (`ties.py`): a tie where the target's two candidates are
 within rounding of each other in the dtype it runs in (expected in bfloat16/float16), or a true bug. Rows report
@@ -44,11 +47,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModel, DynamicCache
 
-from .generation import OracleProposer, generate
-from .generation.engine import cpu_patches, target_forward
+from .generation import OracleProposer, SpecFormerProposer, generate
+from .generation.engine import cpu_patches, measure_step_costs, target_forward
 from .generation.generate import LOOKUP_NGRAM_SIZE
 from .generation.products import FewRowLinears
-from .generation.scheduling import CONFIDENCE_THRESHOLD
+from .generation.scheduling import CONFIDENCE_THRESHOLD, profile_batch_sizes
 from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .prompts import find_shared_data, load_prompts
@@ -153,8 +156,14 @@ def split_mode(mode: str) -> tuple[str, int]:
 
 SCHEDULE_KWARGS = {"fixed": {"schedule": "fixed"}, "goodput": {"schedule": "goodput"},
                    "padded": {"schedule": "goodput", "packed_verification": False},
-                   "companion": {"schedule": "goodput"}}
-"""Bench schedule -> `generate` arguments (`companion` adds the companion model)."""
+                   "companion": {"schedule": "goodput"},
+                   "costs-x0.5": {"schedule": "goodput"}, "costs-x2": {"schedule": "goodput"},
+                   "plain-x2": {"schedule": "goodput"}}
+"""Bench schedule -> `generate` arguments (`companion` adds the companion model, the `WRONG_COSTS` schedules a
+deliberately wrong profile)."""
+
+WRONG_COSTS = {"costs-x0.5": (0.5, 0.5), "costs-x2": (2.0, 2.0), "plain-x2": (1.0, 2.0)}
+"""Schedule -> (factor on every cost, factor on the plain step's) of the measured profile it is given."""
 
 
 def run_label(mode: str, schedule: str) -> str:
@@ -247,6 +256,8 @@ def _speculative_run(target, tokenizer, batch, reference, run: tuple[str, str], 
         speculation["confidence_threshold"] = config.confidence_threshold
     if schedule == "companion":
         speculation["companion_model"] = drafters["companion"]
+    if schedule in WRONG_COSTS:
+        speculation["step_costs"] = drafters["profile"].scaled(*WRONG_COSTS[schedule])
     return _timed(lambda: generate(
         target, **batch, assistant_model=assistant, num_draft_tokens=config.num_draft_tokens,
         lookup_ngram_size=lookup_ngram_size, compaction_hole_fraction=config.compaction_hole_fraction,
@@ -318,17 +329,19 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
     return rows
 
 
-def measure_goodput_costs(target, tokenizer, prompts, config: BenchConfig, drafters: dict) -> None:
-    """Has every goodput run measure (or load) its step costs up to the largest batch size before any timing: a
-    short generate at that batch size, whose output is discarded."""
-    goodput_runs = [(mode, schedule) for mode, schedule in runs(config) if schedule != "fixed"]
-    if not goodput_runs:
+def measure_profile(target, config: BenchConfig, drafters: dict) -> None:
+    """With a `WRONG_COSTS` schedule, measures the step costs up to the largest batch size (before any timing) for
+    those schedules to distort; stored as `drafters["profile"]`."""
+    if not set(config.schedules) & set(WRONG_COSTS):
         return
-    batch = chat_batches(tokenizer, (prompts * max(config.batch_sizes))[: max(config.batch_sizes)],
-                         max(config.batch_sizes))[0].to(target.device)
-    gen_kwargs = dict(max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    for run in dict.fromkeys((split_mode(mode)[0], schedule) for mode, schedule in goodput_runs):
-        _speculative_run(target, tokenizer, batch, None, run, config, drafters, gen_kwargs)
+    mode = next(split_mode(mode)[0] for mode in config.modes if split_mode(mode)[0] != "oracle")
+    drafter = drafters[mode]
+    if not drafter.is_bound:
+        drafter.bind_target(target)
+    proposer = SpecFormerProposer(drafter, config.num_draft_tokens)
+    patches = cpu_patches(target, [target, *proposer.modules()])
+    drafters["profile"] = measure_step_costs(target, proposer, lambda: patches,
+                                             profile_batch_sizes(max(config.batch_sizes)), config.num_draft_tokens)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -379,7 +392,7 @@ def run_benchmark(config: BenchConfig) -> dict:
             raise SystemExit("The companion schedule needs --companion DIR.")
         drafters["companion"] = AutoModel.from_pretrained(config.companion, trust_remote_code=True,
                                                           dtype=target.dtype).to(device).eval()
-    measure_goodput_costs(target, tokenizer, prompts, config, drafters)
+    measure_profile(target, config, drafters)
     results = []
     for batch_size in tqdm(config.batch_sizes, desc="batch sizes"):
         results.extend(bench_batch_size(target, tokenizer, prompts, batch_size, config, drafters))

@@ -113,6 +113,8 @@ def test_online_costs_correct_a_wrong_profile_and_fit_a_line_without_one():
     for rows in (2, 4, 8, 16):
         cold.observe_plain(rows, 3.0 + 0.5 * rows)
     assert cold.plain(32) == pytest.approx(19.0, rel=0.05)  # a + b x once sizes differ
+    cold.observe_verify(8, 32, cold.plain(8) + 6.0)  # verifying 24 drafts cost 6 s more than a plain step
+    assert cold.verify(8, 16) == pytest.approx(cold.plain(8) + 2.0, rel=1e-3)  # 8 drafts: a third of that
 
 
 def test_handoff_when_speculation_falls_behind_with_doubling_backoff():
@@ -144,9 +146,11 @@ class ConfidentWrongOracle(OracleProposer):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_a_losing_call_hands_off_mid_call_and_still_equals_generate(kind):
-    """Speculation that can only lose (every draft rejected, estimates that say otherwise): the guard hands the call
-    over to plain steps part-way, and the greedy output (ragged rows, EOS) is still `generate`'s."""
+def test_a_losing_call_goes_over_to_plain_steps_mid_call_and_still_equals_generate(kind):
+    """Speculation that can only lose (every draft rejected, a table that expects 90% accepted): after the first
+    verified drafts the realised acceptance scales the estimates down and the call runs plain steps (the drafter
+    deferred, probing ever more rarely); the greedy output (ragged rows, EOS) is still `generate`'s. The guard's own
+    rule, for costs neither model sees, is tested above."""
     target = make_target(kind)
     input_ids, mask = make_batch(4, seed=21)
     reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=80)
@@ -157,19 +161,22 @@ def test_a_losing_call_hands_off_mid_call_and_still_equals_generate(kind):
     )
     stats = output.speculation_stats
     assert stats.accepted == 0 and stats.drafted > 0
-    assert stats.handoffs >= 1 and stats.width_counts[0] > stats.steps // 2, (stats.handoffs, stats.width_counts)
+    assert stats.width_counts[0] > 0.9 * stats.steps and stats.drafting_steps < stats.steps // 4, stats.width_counts
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_a_call_without_step_costs_measures_a_plain_step_first_and_equals_generate(kind):
-    """No profile cached and none given: the call does not profile; its first step is a plain one, and every step's
-    seconds are in the statistics."""
+    """No profile cached and none given: the call does not profile; its first step is a plain one, every step's
+    seconds are in the statistics, and what it learnt is cached, so the next call starts from it."""
     target = make_target(kind)
     drafter = make_drafter(target)
     input_ids, mask = make_batch(5, seed=4)
-    output = assert_same_as_generate(target, drafter, input_ids, mask, step_costs=None, max_new_tokens=20,
-                                     pad_token_id=PAD)
-    stats = output.speculation_stats
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    kwargs = dict(step_costs=None, max_new_tokens=30, pad_token_id=PAD,
+                  eos_token_id=int(reference[2, input_ids.shape[1] + 12]))  # rows finish at different steps
+    stats = assert_same_as_generate(target, drafter, input_ids, mask, **kwargs).speculation_stats
     assert stats.width_counts[0] >= 1 and stats.drafting_steps >= 1
     assert stats.seconds_per_step_by_width[0] > 0
     assert stats.predicted_seconds_per_step_by_width == [0.0] * (stats.num_draft_tokens + 1)  # no profile
+    again = assert_same_as_generate(target, drafter, input_ids, mask, **kwargs).speculation_stats
+    assert again.predicted_seconds_per_step_by_width[0] > 0  # the first call's learnt costs

@@ -42,6 +42,7 @@ from .scheduling import (
     StepCostModel,
     cached_step_costs,
     profile_step_costs,
+    step_costs_path,
 )
 from .stats import SpecStats
 from .verification import verify_greedy, verify_sampling
@@ -213,11 +214,22 @@ def step_cost_description(model, proposer: Proposer, cpu_speedups: bool) -> dict
 
 def _step_cost_profile(model, proposer, patched: bool, batch_size: int, step_costs) -> StepCostModel | None:
     """The step costs given, or those cached for this machine if they cover the batch; None: none (the goodput
-    scheduler then learns them from the call's own steps; a call never profiles, `feedback.py`)."""
+    scheduler then learns them from the call's own steps, `_remember_costs`; a call never profiles)."""
     if step_costs is not None:
         return StepCostModel.from_value(step_costs)
     description = step_cost_description(model, proposer, patched)
     return cached_step_costs(description, batch_size, proposer.num_draft_tokens)
+
+
+def _remember_costs(plan, model, proposer, patched: bool, batch_size: int) -> None:
+    """Caches the step costs a goodput call learnt without a profile (`OnlineStepCosts.learnt`), for the batch sizes
+    whose plain steps it timed, so the next call at those sizes can choose between the engine and plain decoding
+    before it starts (`StepCostModel.covers`: other sizes learn anew)."""
+    if not isinstance(plan, GoodputSchedule) or not plan.feedback or not plan.costs.learnt:
+        return
+    description = step_cost_description(model, proposer, patched)
+    sizes = sorted(plan.costs.plain_batch_sizes)
+    StepCostModel.learnt(plan.costs, sizes, proposer.num_draft_tokens, description).save(step_costs_path(description))
 
 
 def _make_schedule(schedule, num_draft_tokens, confidence_threshold, profile, expected_accepted, packed, feedback):
@@ -431,10 +443,13 @@ def speculative_decode(
     if not plan.speculation_pays(input_ids.shape[0]):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
-    return _decode(
+    output = _decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
         compaction_hole_fraction, plan, estimator, companion, packed_verification, patches, profile, model_kwargs,
     )
+    if step_costs is None:
+        _remember_costs(plan, model, proposer, bool(patches.patches), input_ids.shape[0])
+    return output
 
 
 def _plain_decode(
@@ -539,7 +554,7 @@ def _decode(
         step_size = batch.size
         clock.mark()
         drafting = plan.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
-        with patches:
+        with patches if drafting else contextlib.nullcontext():
             draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted, draft=drafting)
         source_states = _source_states(output, num_accepted) if companion is not None else None
         draft_logits, sources, source_states = _retire_rows(

@@ -90,12 +90,14 @@ class FewRowLinears:
 
     def __init__(self, modules: list[nn.Module], head: nn.Module | None = None):
         self.linears = {id(m): m for module in modules for m in module.modules() if _eligible(m)}
-        self.head = head
+        self.forwards = [
+            (linear, partial(_few_row_forward, linear, FEW_HEAD_ROWS if linear is head else FEW_ROWS))
+            for linear in self.linears.values()
+        ]
 
     def __enter__(self) -> "FewRowLinears":
-        for linear in self.linears.values():
-            max_rows = FEW_HEAD_ROWS if linear is self.head else FEW_ROWS
-            linear.forward = partial(_few_row_forward, linear, max_rows)
+        for linear, forward in self.forwards:  # entered around every verification forward: no Module.__setattr__
+            linear.__dict__["forward"] = forward
         return self
 
     def __exit__(self, *exc_info) -> None:

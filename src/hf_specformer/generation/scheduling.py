@@ -55,13 +55,14 @@ import os
 import statistics
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .feedback import PLAIN_REFRESH_STEPS, HandOff, OnlineStepCosts
+from .feedback import PLAIN_REFRESH_STEPS, AcceptanceScale, HandOff, OnlineStepCosts
 
 CONFIDENCE_THRESHOLD = 0.0
 """Default threshold on a row's cumulative draft probability for `FixedSchedule` (0: every row verifies all k)."""
@@ -124,7 +125,7 @@ class StepCostModel:
 
     def covers(self, batch_size: int, max_width: int) -> bool:
         """Whether `batch_size` lies within the measured sizes and every width up to `max_width` was measured."""
-        return batch_size <= self.batch_sizes[-1] and max_width <= self.max_width
+        return self.batch_sizes[0] <= batch_size <= self.batch_sizes[-1] and max_width <= self.max_width
 
     def _interpolate(self, values: list[float], batch_size: int) -> float:
         sizes = self.batch_sizes
@@ -180,6 +181,26 @@ class StepCostModel:
         except (OSError, TypeError, ValueError, KeyError, IndexError) as error:
             raise ValueError(f"{path} is not a step-cost file written by StepCostModel.save: {error}") from error
         return model
+
+    def scaled(self, factor: float, plain_factor: float | None = None) -> "StepCostModel":
+        """Every cost times `factor`, the plain step's times `plain_factor` (default: the same); for measuring how
+        the scheduler copes with a wrong profile."""
+        plain = self.plain_seconds or [row[0] for row in self.step_seconds]
+        return StepCostModel(
+            list(self.batch_sizes), [[seconds * factor for seconds in row] for row in self.step_seconds],
+            [seconds * factor for seconds in self.draft_seconds],
+            [seconds * (factor if plain_factor is None else plain_factor) for seconds in plain],
+            {**self.description, "scaled": [factor, plain_factor]},
+        )
+
+    @classmethod
+    def learnt(cls, costs: OnlineStepCosts, batch_sizes: list[int], max_width: int, description: dict):
+        """Costs learnt from timed steps (`OnlineStepCosts.learnt`) as a model over `batch_sizes` and widths
+        0..max_width, for the cache."""
+        steps = [[costs.plain(b)] + [costs.verify(b, b * (w + 1)) for w in range(1, max_width + 1)]
+                 for b in batch_sizes]
+        return cls(list(batch_sizes), steps, [costs.draft(b) for b in batch_sizes],
+                   [costs.plain(b) for b in batch_sizes], {**description, "learnt": "from timed decoding steps"})
 
     @classmethod
     def from_value(cls, value: "StepCostModel | dict | str | os.PathLike") -> "StepCostModel":
@@ -315,10 +336,12 @@ class GoodputSchedule:
         expected_accepted: list[float] | None = None, probe_interval: int = PROBE_INTERVAL, packed: bool = True,
         feedback: bool = True,
     ):
-        if isinstance(costs, StepCostModel) and not costs.covers(1, num_draft_tokens):
+        if isinstance(costs, StepCostModel) and costs.max_width < num_draft_tokens:
             raise ValueError(f"The step costs measure widths up to {costs.max_width}, not k = {num_draft_tokens}.")
         self.costs = costs if isinstance(costs, OnlineStepCosts) else OnlineStepCosts(costs)
         self.handoff = HandOff(self.costs)
+        self.acceptance = AcceptanceScale()
+        self.predictions: deque[float] = deque()  # predicted accepted drafts of chosen steps not yet observed
         self.num_draft_tokens = num_draft_tokens
         self.probe_interval = probe_interval
         self.packed = packed
@@ -369,7 +392,11 @@ class GoodputSchedule:
         elif not self.costs.verify_known:
             counts = (cumulative > 0).sum(1)
         else:
-            counts = self._choose_packed(cumulative) if self.packed else self._choose_width(cumulative)
+            scaled = (cumulative * self.acceptance.factor).clamp(max=1.0) if self.feedback else cumulative
+            counts = self._choose_packed(scaled) if self.packed else self._choose_width(scaled)
+        if self.feedback and counts.any():
+            verified = torch.arange(cumulative.shape[1])[None, :] < counts[:, None]
+            self.predictions.append(float((cumulative * verified).sum()))
         return counts.to(device)
 
     def stepped(self, width: int) -> None:
@@ -407,7 +434,8 @@ class GoodputSchedule:
         """`[k + 1]` predicted committed tokens per second at width w, drafting costs included for w > 0."""
         seconds = self.step_seconds(batch_size)
         seconds[1:] += self.costs.draft(batch_size)
-        return batch_size * (1 + self.expected) / seconds
+        expected = self.expected * self.acceptance.factor if self.feedback else self.expected
+        return batch_size * (1 + expected) / seconds
 
     def _drafting_pays(self, batch_size: int) -> bool:
         """max_w B (1 + E_w) / (t(B, w) + t_d(B)) > B / t_plain(B)."""
@@ -453,6 +481,7 @@ class GoodputSchedule:
                     self.handoff.plain_step()
             else:
                 self.costs.observe_verify(batch_size, batch_size + drafts, verify_seconds)
+                self.acceptance.observe(accepted, self.predictions.popleft())
             if drafted:
                 self.costs.observe_draft(batch_size, draft_seconds)
             if width or drafted:
