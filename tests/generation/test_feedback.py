@@ -62,12 +62,15 @@ def test_preallocated_cache_refuses_to_overflow():
         cache.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), 0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind):
+@pytest.mark.parametrize("kind, next_token_input", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_token_input):
     """A proposer that skips drafting for two steps (deferring its context stage, one step with a rejected input)
     then drafts gives the draft logits of one that ran its context stage every step."""
     target = make_target(kind)
-    drafter = make_drafter(target)
+    drafter = make_drafter(target, next_token_input=next_token_input)
+    for module in drafter.modules():  # a trained next-token projection (it starts at zero)
+        if type(module).__name__ == "SpecFormerNextTokenInput":
+            torch.nn.init.normal_(module.weight, std=0.5)
     input_ids, mask = make_batch(3, seed=6)
     cache = PreallocatedCache(target.config.num_hidden_layers, capacity=64)
     batch = RaggedBatch.start(input_ids, mask, 16, PAD)

@@ -212,3 +212,13 @@ def test_a_call_where_no_width_pays_runs_plain_decoding(kind):
     output = assert_same_as_generate(target, drafter, input_ids, mask, max_new_tokens=12, pad_token_id=PAD)
     stats = output.speculation_stats
     assert stats.plain_decoding and stats.steps == 12 and stats.width_counts[0] == 12 and stats.drafted == 0
+
+
+def test_learnt_costs_merge_into_the_cached_ones_by_batch_size():
+    older = StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8], [1.0, 8.0])
+    newer = StepCostModel([4, 8], [[3.0, 5.0], [9.0, 18.0]], [0.3, 0.9], [3.0, 9.0])
+    merged = newer.merged_into(older)
+    assert merged.batch_sizes == [1, 4, 8] and merged.step_seconds == [[1.0, 2.0], [3.0, 5.0], [9.0, 18.0]]
+    assert merged.draft_seconds == [0.1, 0.3, 0.9] and merged.plain_seconds == [1.0, 3.0, 9.0]
+    assert newer.merged_into(None) is newer
+    assert newer.merged_into(StepCostModel([1], [[1.0, 2.0, 3.0]], [0.1], [1.0])) is newer  # other widths

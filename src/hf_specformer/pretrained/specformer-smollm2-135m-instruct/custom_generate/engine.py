@@ -228,8 +228,14 @@ def _remember_costs(plan, model, proposer, patched: bool, batch_size: int) -> No
     if not isinstance(plan, GoodputSchedule) or not plan.feedback or not plan.costs.learnt:
         return
     description = step_cost_description(model, proposer, patched)
-    sizes = sorted(plan.costs.plain_batch_sizes)
-    StepCostModel.learnt(plan.costs, sizes, proposer.num_draft_tokens, description).save(step_costs_path(description))
+    path = step_costs_path(description)
+    try:
+        older = StepCostModel.load(path) if path.exists() else None
+    except ValueError:
+        older = None
+    learnt = StepCostModel.learnt(plan.costs, sorted(plan.costs.plain_batch_sizes), proposer.num_draft_tokens,
+                                  description)
+    learnt.merged_into(older).save(path)
 
 
 def _make_schedule(schedule, num_draft_tokens, confidence_threshold, profile, expected_accepted, packed, feedback):

@@ -202,6 +202,17 @@ class StepCostModel:
         return cls(list(batch_sizes), steps, [costs.draft(b) for b in batch_sizes],
                    [costs.plain(b) for b in batch_sizes], {**description, "learnt": "from timed decoding steps"})
 
+    def merged_into(self, older: "StepCostModel | None") -> "StepCostModel":
+        """This model's batch sizes, with `older`'s other sizes kept (when it measured the same widths)."""
+        if older is None or older.max_width != self.max_width or older.plain_seconds is None:
+            return self
+        rows = {b: (steps, draft, plain) for b, steps, draft, plain in
+                zip(older.batch_sizes, older.step_seconds, older.draft_seconds, older.plain_seconds)}
+        rows.update(zip(self.batch_sizes, zip(self.step_seconds, self.draft_seconds, self.plain_seconds)))
+        sizes = sorted(rows)
+        return StepCostModel(sizes, [rows[b][0] for b in sizes], [rows[b][1] for b in sizes],
+                             [rows[b][2] for b in sizes], self.description)
+
     @classmethod
     def from_value(cls, value: "StepCostModel | dict | str | os.PathLike") -> "StepCostModel":
         """A `StepCostModel`, its `asdict` form, or the path of a saved one."""
