@@ -13,6 +13,7 @@ from hf_specformer.generation.acceptance import (
     AcceptanceEstimator,
     AcceptanceTable,
     observed_outcomes,
+    draft_confidence,
     sv_features,
     uniform_edges,
 )
@@ -53,6 +54,20 @@ def test_sv_features_are_overlap_and_capped_ratio():
     features = sv_features(draft, companion, drafts)
     assert features[0, 0].tolist() == pytest.approx([0.35 + 0.2 + 0.05, 0.5])
     assert features[1, 0].tolist() == pytest.approx([0.4, 0.4])
+
+
+def test_signals_of_sampled_drafts_read_the_draft_distribution_not_the_token():
+    """Under sampling, the choice of drafts to verify may not depend on the sampled token (it would bias the output,
+    `draft_confidence`): every token of a row gives the same signals, their expectation over the draft."""
+    draft = torch.tensor([[[0.7, 0.2, 0.1]]]).expand(3, 1, 3)
+    companion = torch.tensor([[[0.35, 0.6, 0.05]]]).expand(3, 1, 3)
+    tokens = torch.tensor([[0], [1], [2]])
+    assert draft_confidence(draft, tokens, sampled=True).flatten().tolist() == pytest.approx([0.54] * 3)
+    assert draft_confidence(draft, tokens).flatten().tolist() == pytest.approx([0.7, 0.2, 0.1])
+    sampled = sv_features(draft, companion, tokens, sampled=True)
+    assert sampled.flatten().tolist() == pytest.approx([0.6] * 6)
+    expected_ratio = (draft[0, 0] * (companion[0, 0] / draft[0, 0]).clamp(max=1)).sum()
+    assert float(expected_ratio) == pytest.approx(0.6)  # E_d min(1, P_c / P_d) = S
 
 
 def test_observed_outcomes_follow_verification():

@@ -10,6 +10,7 @@ from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, Stopping
 from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
+from hf_specformer.generation.batch import RaggedBatch, padded_batch_size
 from hf_specformer.generation.engine import target_forward
 from hf_specformer.generation.products import FewRowLinears
 from hf_specformer.training.target_states import next_token_ids
@@ -389,3 +390,47 @@ def test_schedule_arguments_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
                  max_new_tokens=3, **kwargs)
+
+
+class RowCountWitness(OracleProposer):
+    """The oracle, recording how many rows the engine keeps each time it drops finished ones."""
+
+    def start(self, capacity: int) -> None:
+        super().start(capacity)
+        self.kept = []
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        self.kept.append(keep.numel())
+        super().select_rows(keep)
+
+
+def test_padded_batch_size():
+    assert [padded_batch_size(n) for n in range(11)] == [0, 1, 2, 4, 4, 8, 8, 8, 8, 16, 16]
+    assert [padded_batch_size(n) for n in (17, 24, 25, 64)] == [24, 24, 32, 64]
+
+
+def test_rows_to_keep_keeps_finished_rows_as_padding_up_to_the_padded_size():
+    batch = RaggedBatch.start(torch.ones(8, 2, dtype=torch.long), None, capacity=4, pad_token_id=PAD)
+    batch.finished = torch.tensor([0, 1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)  # 6 live: stays at 8
+    assert batch.rows_to_keep() is None
+    batch.finished = torch.tensor([0, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)  # 3 live: 4 rows, the first finished
+    assert batch.rows_to_keep().tolist() == [0, 1, 3, 6]
+    batch.finished = torch.ones(8, dtype=torch.bool)
+    assert batch.rows_to_keep().tolist() == []
+
+
+def test_finished_rows_stay_as_padding_commit_nothing_and_are_not_counted():
+    """Rows of a batch of 8 end at different steps (EOS); the engine drops them only when the batch falls to 4, 2, 1
+    and 0 rows. Padding rows verify nothing and are no row-steps: with every oracle draft right, each row's kappa is
+    exactly k + 1."""
+    target = make_target("llama")
+    input_ids, mask = make_batch(8, seed=11, padded=True)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
+    new_tokens = reference[:, input_ids.shape[1]:]
+    eos = sorted({int(new_tokens[row, 3 * row + 1]) for row in range(8)})  # every row ends well before 40 tokens
+    k = 2
+    witness = RowCountWitness(new_tokens, k, TINY_VOCAB, PAD)
+    output = assert_same_as_generate(target, witness, input_ids, mask, lookup_ngram_size=0, max_new_tokens=40,
+                                     pad_token_id=PAD, eos_token_id=eos, schedule="fixed")
+    assert witness.kept and set(witness.kept) <= {4, 2, 1, 0}, witness.kept
+    assert output.speculation_stats.tokens_per_row_step == [k + 1] * 8

@@ -125,17 +125,17 @@ def test_handoff_when_speculation_falls_behind_with_doubling_backoff():
     guard = HandOff(costs)
     for _ in range(HANDOFF_WINDOW):  # 1.5 tokens per row for 2.5x a plain step's time: behind
         assert not guard.active
-        guard.observe(8, 12, 20.0)
+        guard.observe(8, 8, 12, 20.0)
     assert guard.active and guard.plain_steps_left == HANDOFF_BACKOFF
     for _ in range(HANDOFF_BACKOFF):
         guard.plain_step()
     assert not guard.active
     for _ in range(HANDOFF_WINDOW):
-        guard.observe(8, 12, 20.0)
+        guard.observe(8, 8, 12, 20.0)
     assert guard.plain_steps_left == 2 * HANDOFF_BACKOFF
     ahead = HandOff(costs)
     for _ in range(3 * HANDOFF_WINDOW):  # 2 tokens per row for 1.5x: ahead, never handed off
-        ahead.observe(8, 16, 12.0)
+        ahead.observe(8, 8, 16, 12.0)
     assert not ahead.active and ahead.handoffs == 0
 
 

@@ -82,7 +82,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     lookup proposes one-hot drafts after it (checked). `threshold`: rows verify 1 to 3 of their drafts, by the
     drafts' cumulative probability (checked), so the token after a row's last verified draft is a bonus sample.
     `goodput`: the goodput scheduler picks how many drafts each row verifies, 0 included, so rows of one packed
-    step verify different numbers (checked), and skips drafting when it does not pay; `goodput-padded`: one width
+    step verify different numbers (checked), and skips drafting when it does not pay; its signals read the sampled
+    drafts' distributions, not their tokens (reading the tokens failed this test at p < 1e-5 with the companion); `goodput-padded`: one width
     per step, 0 (a plain sampled step) included (checked); `companion`: goodput with SV's (S, A) signals from a
     companion."""
     target = sharp_target()
@@ -92,8 +93,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     processors = target._get_logits_processor(generation_config=config, input_ids_seq_length=len(prompt))
     reference = exact_joint(target, prompt, processors)
 
-    torch.manual_seed(seed)
     companion = make_companion(target) if schedule == "companion" else None
+    torch.manual_seed(seed)  # after make_companion, which seeds its own weights
     for model in (drafter, companion):
         if model is not None:  # the first step verifies every draft; online counts then lower the estimates
             model.config.acceptance_table = optimistic_table("sv" if model is companion else "confidence")
@@ -119,7 +120,7 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     assert 0 < stats.accepted < stats.drafted, "the test needs both acceptances and rejections"
     if schedule == "threshold":
         assert 1.2 < stats.drafts_per_step < 2.8, stats.drafts_per_step
-    if schedule in ("goodput", "companion") and prompt.tolist() != LOOKUP_PROMPT:  # lookup drafts stay accepted
+    if schedule == "goodput" and prompt.tolist() != LOOKUP_PROMPT:  # lookup drafts stay accepted
         assert stats.padding > 0, "rows of a packed step verify different numbers of drafts"
     if schedule == "goodput-padded":
         assert stats.width_counts[0] > 0 and sum(stats.width_counts[1:]) > 0, stats.width_counts

@@ -19,8 +19,8 @@ verifies nothing is a plain step of `transformers`' own forward, since the draft
 `PLAIN_REFRESH_STEPS` steps have passed without one.
 
 The guard (`HandOff`). Over the last `HANDOFF_WINDOW` speculative steps it compares the seconds they took with what
-plain steps would have taken for the same tokens, sum_i t_plain(B_i) c_i / B_i (c_i: tokens committed at step i, B_i
-its rows). When speculation is behind by more than `HANDOFF_MARGIN`, the call hands off: only plain steps for the
+plain steps would have taken for the same tokens, sum_i t_plain(B_i) c_i / L_i (c_i: tokens committed at step i, B_i
+its rows, L_i those still generating). When speculation is behind by more than `HANDOFF_MARGIN`, the call hands off: only plain steps for the
 next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th hand-off), then one probe. Bound: a hand-off comes at the latest
 `HANDOFF_WINDOW` steps after speculation starts to lose, each later probe loses at most one window again, and the
 back-off doubles, so a call of N steps that never gains loses at most about HANDOFF_WINDOW x (1 + log2(N /
@@ -247,11 +247,12 @@ class HandOff:
         """Counts down a plain step taken while handed off."""
         self.plain_steps_left = max(self.plain_steps_left - 1, 0)
 
-    def observe(self, batch_size: int, committed: int, seconds: float) -> None:
-        """A speculative step (its drafting included) of `batch_size` rows that committed `committed` tokens."""
-        if not self.costs.plain_known:
+    def observe(self, batch_size: int, num_live: int, committed: int, seconds: float) -> None:
+        """A speculative step (its drafting included) of `batch_size` rows, `num_live` of them still generating (the
+        rest finished, kept as padding), that committed `committed` tokens."""
+        if not self.costs.plain_known or not num_live:
             return
-        self.recent.append((seconds, self.costs.plain(batch_size) * committed / batch_size))
+        self.recent.append((seconds, self.costs.plain(batch_size) * committed / num_live))
         if len(self.recent) < self.window:
             return
         taken, plain = (sum(values) for values in zip(*self.recent))

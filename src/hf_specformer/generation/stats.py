@@ -20,7 +20,7 @@ class SpecStats:
     Attributes:
         num_draft_tokens: k, drafts proposed per row and step.
         steps: verification forwards of the target.
-        row_steps: sum over steps of the active rows.
+        row_steps: sum over steps of the rows still generating (finished rows kept as padding excluded).
         drafted: drafts verified (1..k per row-step, see `scheduling.py`).
         accepted: drafts accepted.
         accepted_at: `[k]` how often drafted position j (0-based) was accepted.
@@ -74,16 +74,16 @@ class SpecStats:
 
     def record(
         self, row_ids: torch.LongTensor, num_accepted: torch.LongTensor, batch_size: int,
-        num_drafts: torch.LongTensor, predicted: torch.Tensor | None = None,
+        num_drafts: torch.LongTensor, predicted: torch.Tensor | None = None, live: torch.BoolTensor | None = None,
     ) -> None:
         """One verification step: active row `row_ids[b]` verified `num_drafts[b]` drafts and accepted
         `num_accepted[b]` of them (the step's width is the largest); `predicted` `[B, k]` is the estimated chance
-        that drafts 1..j are all accepted (None: not estimated). Counts stay on the device until `finish` (no
-        host synchronisation per step)."""
+        that drafts 1..j are all accepted (None: not estimated); `live` `[B]` marks the rows still generating (None:
+        all; finished rows kept as padding verify nothing and are not counted). Counts stay on the device until
+        `finish` (no host synchronisation per step)."""
         self._start(batch_size, num_accepted.device)
         k = self.num_draft_tokens
         self.steps += 1
-        self.row_steps += row_ids.numel()
         step = torch.zeros_like(self._totals)
         step[0], step[1] = num_drafts.sum(), num_accepted.sum()
         if predicted is not None:
@@ -94,7 +94,7 @@ class SpecStats:
         step[4 + k : -1] = torch.nn.functional.one_hot(num_drafts.max(), k + 1)
         step[-1] = num_drafts.max() * num_drafts.numel() - num_drafts.sum()
         self._totals += step
-        self._row_steps.index_add_(0, row_ids, torch.ones_like(row_ids))
+        self._row_steps.index_add_(0, row_ids, torch.ones_like(row_ids) if live is None else live.long())
         self._row_accepted.index_add_(0, row_ids, num_accepted)
 
     def record_lookups(self, found: torch.BoolTensor, batch_size: int) -> None:
@@ -118,6 +118,7 @@ class SpecStats:
             return
         k = self.num_draft_tokens
         totals = self._totals.cpu()
+        self.row_steps = int(self._row_steps.sum())
         self.drafted, self.accepted, self.looked_up = int(totals[0]), int(totals[1]), int(totals[3])
         self.predicted_accepted = float(totals[2])
         self.accepted_at = [int(count) for count in totals[4 : 4 + k]]

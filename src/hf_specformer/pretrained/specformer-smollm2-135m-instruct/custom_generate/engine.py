@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .acceptance import DRAFTER, SIGNALS, AcceptanceEstimator, AcceptanceTable, uniform_edges
+from .acceptance import DRAFTER, SIGNALS, AcceptanceEstimator, AcceptanceTable, draft_confidence, uniform_edges
 from .attention import GroupedQueryAttention
 from .batch import RaggedBatch
 from .caching import PreallocatedCache
@@ -82,9 +82,11 @@ class _Committer:
         self.streamer = streamer
 
     def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
-        """tokens `[B, n]`, counts `[B]` (1..n) -> finished `[B]`; writes the kept tokens into `batch`."""
+        """tokens `[B, n]`, counts `[B]` (1..n) -> finished `[B]`; writes the kept tokens into `batch`. Rows already
+        `batch.finished` commit nothing."""
         offsets = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-        finished = torch.zeros_like(counts, dtype=torch.bool)
+        finished = batch.finished.clone()
+        counts = counts.masked_fill(finished, 0)
         if self.eos_token_ids is not None:
             is_eos = torch.isin(tokens, self.eos_token_ids.to(tokens.device)) & (offsets < counts[:, None])
             first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, counts)
@@ -288,14 +290,16 @@ def _plan_step(
     needs_probs = do_sample or estimator is not None or plan.needs_confidence
     draft_probs = draft_scores.softmax(-1) if needs_probs else None
     if estimator is None:
-        confidence = draft_probs.gather(2, draft_ids[..., None]).squeeze(2) if needs_probs else None
-        return draft_ids, draft_probs, plan.choose(draft_ids, confidence), None
+        confidence = draft_confidence(draft_probs, draft_ids, do_sample) if needs_probs else None
+        return draft_ids, draft_probs, plan.choose(draft_ids, confidence).masked_fill(batch.finished, 0), None
     if sources is None:
         sources = torch.full_like(draft_ids, DRAFTER)
     companion_probs = (
         _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
     )
-    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs)
+    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample).masked_fill(
+        batch.finished[:, None], 0.0
+    )  # finished rows (padding) verify nothing
     return draft_ids, draft_probs, plan.choose(draft_ids, None, predicted, drafted), predicted
 
 
@@ -309,12 +313,13 @@ def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int
     return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
 
 
-def _retire_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, finished: torch.BoolTensor, *per_row):
-    """Drops finished rows from the batch, the caches and the proposer's deferred work; returns `per_row` tensors
-    (None stays None) for the rest."""
-    if not finished.any():
+def _retire_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, *per_row):
+    """Drops finished rows from the batch, the caches and the proposer's deferred work once that brings the batch
+    down to a smaller `padded_batch_size` (`RaggedBatch.rows_to_keep`); returns `per_row` tensors (None stays None)
+    for the rows kept."""
+    keep = batch.rows_to_keep()
+    if keep is None:
         return per_row
-    keep = (~finished).nonzero().squeeze(1)
     batch.select_rows(keep)
     proposer.select_rows(keep)
     for cache in caches:
@@ -514,14 +519,14 @@ def _decode(
         )
     batch.commit_prompt()
     first = _select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
-    finished = commit(batch, first[:, None], torch.ones_like(first))
+    batch.finished = commit(batch, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
     drafting = plan.should_draft(batch.size)
     with patches:
         draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
     source_states = _source_states(output, source_index) if companion is not None else None
     draft_logits, sources, source_states = _retire_rows(
-        batch, caches, proposer, finished, draft_logits, proposer.sources, source_states
+        batch, caches, proposer, draft_logits, proposer.sources, source_states
     )
 
     while batch.size > 0:
@@ -554,9 +559,10 @@ def _decode(
             tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts)
         if estimator is not None and predicted is not None:
             estimator.observe(num_accepted, num_drafts)
-        stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted)
-        batch.commit_cache(num_accepted + 1, width + 1)
-        finished = commit(batch, tokens, num_accepted + 1)
+        live = ~batch.finished
+        stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted, live)
+        batch.commit_cache((num_accepted + 1) * live, width + 1)
+        batch.finished = commit(batch, tokens, num_accepted + 1)
         step_size = batch.size
         clock.mark()
         drafting = plan.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
@@ -564,10 +570,10 @@ def _decode(
             draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted, draft=drafting)
         source_states = _source_states(output, num_accepted) if companion is not None else None
         draft_logits, sources, source_states = _retire_rows(
-            batch, caches, proposer, finished, draft_logits, proposer.sources, source_states
+            batch, caches, proposer, draft_logits, proposer.sources, source_states
         )
         _maybe_compact(batch, caches, proposer, compaction_hole_fraction, k + 1)
-        clock.lap(("step", step_size, width, torch.stack([num_drafts.sum(), num_accepted.sum()]), drafting))
+        clock.lap(("step", step_size, width, torch.stack([num_drafts.sum(), num_accepted.sum(), live.sum()]), drafting))
 
     _observe(clock, plan, stats, profile)
     stats.handoffs = plan.handoff.handoffs if isinstance(plan, GoodputSchedule) else 0

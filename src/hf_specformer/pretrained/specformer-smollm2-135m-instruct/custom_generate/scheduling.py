@@ -479,13 +479,14 @@ class GoodputSchedule:
         return False
 
     def observe(self, steps: list[tuple[tuple, list[float]]]) -> None:
-        """Timed steps (`StepClock.read`): ("step", B, width, [drafts verified, accepted], drafted) with the seconds
-        of verification (forward, verify, commit) and of drafting (propose, retire rows, compact). Updates the costs
-        and the hand-off guard; a step that verified nothing and drafted nothing is a plain step."""
+        """Timed steps (`StepClock.read`): ("step", B, width, [drafts verified, accepted, rows still generating],
+        drafted) with the seconds of verification (forward, verify, commit) and of drafting (propose, retire rows,
+        compact). Updates the costs and the hand-off guard; a step that verified nothing and drafted nothing is a
+        plain step."""
         if not self.feedback:
             return
         for (_, batch_size, width, counts, drafted), (verify_seconds, draft_seconds) in steps:
-            drafts, accepted = (int(count) for count in counts.tolist())
+            drafts, accepted, num_live = (int(count) for count in counts.tolist())
             if width == 0:
                 self.costs.observe_plain(batch_size, verify_seconds + (0.0 if drafted else draft_seconds))
                 if self.handoff.active:
@@ -496,4 +497,4 @@ class GoodputSchedule:
             if drafted:
                 self.costs.observe_draft(batch_size, draft_seconds)
             if width or drafted:
-                self.handoff.observe(batch_size, batch_size + accepted, verify_seconds + draft_seconds)
+                self.handoff.observe(batch_size, num_live, num_live + accepted, verify_seconds + draft_seconds)
