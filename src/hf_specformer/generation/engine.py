@@ -291,16 +291,17 @@ def _plan_step(
     draft_probs = draft_scores.softmax(-1) if needs_probs else None
     if estimator is None:
         confidence = draft_confidence(draft_probs, draft_ids, do_sample) if needs_probs else None
-        return draft_ids, draft_probs, plan.choose(draft_ids, confidence).masked_fill(batch.finished, 0), None
-    if sources is None:
-        sources = torch.full_like(draft_ids, DRAFTER)
-    companion_probs = (
-        _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
-    )
-    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample).masked_fill(
-        batch.finished[:, None], 0.0
-    )  # finished rows (padding) verify nothing
-    return draft_ids, draft_probs, plan.choose(draft_ids, None, predicted, drafted), predicted
+        num_drafts, predicted = plan.choose(draft_ids, confidence), None
+    else:
+        if sources is None:
+            sources = torch.full_like(draft_ids, DRAFTER)
+        companion_probs = (
+            _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
+        )
+        predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample)
+        predicted = predicted.masked_fill(batch.finished[:, None], 0.0)  # the scheduler spends nothing on padding
+        num_drafts = plan.choose(draft_ids, None, predicted, drafted)
+    return draft_ids, draft_probs, num_drafts.masked_fill(batch.finished, 0), predicted  # padding rows verify none
 
 
 def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:

@@ -20,11 +20,12 @@ verifies nothing is a plain step of `transformers`' own forward, since the draft
 
 The guard (`HandOff`). Over the last `HANDOFF_WINDOW` speculative steps it compares the seconds they took with what
 plain steps would have taken for the same tokens, sum_i t_plain(B_i) c_i / L_i (c_i: tokens committed at step i, B_i
-its rows, L_i those still generating). When speculation is behind by more than `HANDOFF_MARGIN`, the call hands off: only plain steps for the
-next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th hand-off), then one probe. Bound: a hand-off comes at the latest
-`HANDOFF_WINDOW` steps after speculation starts to lose, each later probe loses at most one window again, and the
-back-off doubles, so a call of N steps that never gains loses at most about HANDOFF_WINDOW x (1 + log2(N /
-HANDOFF_BACKOFF)) steps' worth of the gap between a speculative and a plain step, against N plain steps.
+its rows, L_i those still generating). When speculation is behind by more than `HANDOFF_MARGIN`, the call hands off:
+only plain steps for the next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th hand-off), then one probe. Bound: a
+hand-off comes at the latest `HANDOFF_WINDOW` steps after speculation starts to lose, each later probe loses at most
+one window again, and the back-off doubles, so a call of N steps that never gains loses at most about
+HANDOFF_WINDOW x (1 + log2(N / HANDOFF_BACKOFF)) steps' worth of the gap between a speculative and a plain step,
+against N plain steps.
 """
 
 from __future__ import annotations
