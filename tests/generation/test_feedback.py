@@ -13,8 +13,9 @@ from transformers.cache_utils import DynamicCache
 from hf_specformer import OracleProposer, SpecFormerProposer
 from hf_specformer.generation.batch import RaggedBatch
 from hf_specformer.generation.caching import PreallocatedCache
-from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_WINDOW, HandOff, OnlineStepCosts
-from hf_specformer.generation.scheduling import StepCostModel
+from hf_specformer.generation import feedback, scheduling
+from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_LOSS, HANDOFF_MARGIN, HandOff, OnlineStepCosts
+from hf_specformer.generation.scheduling import STEP_COSTS_ENV, StepCostModel
 
 
 def _forward(target, ids, mask, cache, positions):
@@ -103,6 +104,9 @@ def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_to
 def test_online_costs_correct_a_wrong_profile_and_fit_a_line_without_one():
     profile = StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8])
     costs = OnlineStepCosts(profile)
+    costs.observe_plain(8, 16.0)
+    assert costs.plain(4) == pytest.approx(8.0)  # the first timing sets the scale (the guard trusts t_plain at once)
+    assert costs.draft(8) == pytest.approx(0.8)  # other costs keep the profile's until they are timed
     for _ in range(30):  # the machine is twice as slow as the profile says
         costs.observe_plain(8, 16.0)
         costs.observe_verify(8, 16, 32.0)
@@ -112,7 +116,7 @@ def test_online_costs_correct_a_wrong_profile_and_fit_a_line_without_one():
     cold = OnlineStepCosts()
     assert not cold.known
     cold.observe_plain(4, 5.0)
-    assert cold.plain(8) == pytest.approx(10.0)  # one batch size seen: proportional
+    assert cold.plain(8) == cold.plain(2) == pytest.approx(5.0)  # one batch size seen: a constant
     for rows in (2, 4, 8, 16):
         cold.observe_plain(rows, 3.0 + 0.5 * rows)
     assert cold.plain(32) == pytest.approx(19.0, rel=0.05)  # a + b x once sizes differ
@@ -120,23 +124,44 @@ def test_online_costs_correct_a_wrong_profile_and_fit_a_line_without_one():
     assert cold.verify(8, 16) == pytest.approx(cold.plain(8) + 2.0, rel=1e-3)  # 8 drafts: a third of that
 
 
-def test_handoff_when_speculation_falls_behind_with_doubling_backoff():
-    costs = OnlineStepCosts(StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8]))
+def test_handoff_once_the_deficit_exceeds_its_bound_with_doubling_backoff():
+    costs = OnlineStepCosts(StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8]))  # t_plain(8) = 8 s
     guard = HandOff(costs)
-    for _ in range(HANDOFF_WINDOW):  # 1.5 tokens per row for 2.5x a plain step's time: behind
-        assert not guard.active
+    excess = 20.0 - (1 + HANDOFF_MARGIN) * 12.0  # 1.5 tokens per row for 2.5x a plain step's time
+    steps = int(HANDOFF_LOSS * 8.0 // excess) + 1  # the first step whose deficit passes the bound
+    for _ in range(steps - 1):
         guard.observe(8, 8, 12, 20.0)
-    assert guard.active and guard.plain_steps_left == HANDOFF_BACKOFF
+        assert not guard.active
+    guard.observe(8, 8, 12, 20.0)
+    assert guard.active and guard.plain_steps_left == HANDOFF_BACKOFF and guard.deficit == 0.0
     for _ in range(HANDOFF_BACKOFF):
         guard.plain_step()
     assert not guard.active
-    for _ in range(HANDOFF_WINDOW):
+    for _ in range(steps):
         guard.observe(8, 8, 12, 20.0)
     assert guard.plain_steps_left == 2 * HANDOFF_BACKOFF
-    ahead = HandOff(costs)
-    for _ in range(3 * HANDOFF_WINDOW):  # 2 tokens per row for 1.5x: ahead, never handed off
-        ahead.observe(8, 8, 16, 12.0)
-    assert not ahead.active and ahead.handoffs == 0
+
+
+def test_handoff_deficit_is_floored_so_gains_do_not_buy_later_losses_and_small_losses_add_up():
+    costs = OnlineStepCosts(StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8]))
+    guard = HandOff(costs)
+    for _ in range(50):  # 2 tokens per row for 1.5x: ahead, never handed off
+        guard.observe(8, 8, 16, 12.0)
+    assert guard.deficit == 0.0 and not guard.active
+    slow = 8.0 * (1 + HANDOFF_MARGIN) + 0.5  # plain tokens, half a second slower than the margin allows
+    for step in range(1, 100):
+        guard.observe(8, 4, 4, slow)  # 4 of 8 rows still generating, one token each: a plain step's worth
+        if guard.active:
+            break
+    assert step == int(HANDOFF_LOSS * 8.0 / 0.5) + 1
+    investing = HandOff(costs)
+    investing.observe(8, 8, 8, 8.0, proposing_seconds=12.0)  # drafting worth 1.5 plain steps, weighed next step
+    assert not investing.active and investing.deficit == pytest.approx(12.0)
+    investing.observe(8, 8, 24, 16.0)  # which reaps it: 3 tokens per row in 2 plain steps' time
+    assert not investing.active and investing.deficit < 8.0
+    padding_only = HandOff(costs)
+    padding_only.observe(8, 0, 0, 100.0)  # no live rows: nothing to weigh
+    assert padding_only.deficit == 0.0
 
 
 class ConfidentWrongOracle(OracleProposer):
@@ -165,6 +190,42 @@ def test_a_losing_call_goes_over_to_plain_steps_mid_call_and_still_equals_genera
     stats = output.speculation_stats
     assert stats.accepted == 0 and stats.drafted > 0
     assert stats.width_counts[0] > 0.9 * stats.steps and stats.drafting_steps < stats.steps // 4, stats.width_counts
+
+
+class HandOffEverySecondStep(HandOff):
+    """A guard that hands off after every second step it weighs, whatever the timings (its rule is tested above;
+    this one forces hand-offs at known points of a call)."""
+
+    weighed = 0
+
+    def observe(self, batch_size: int, num_live: int, committed: int, seconds: float,
+                proposing_seconds: float = 0.0) -> None:
+        if self.active:
+            return
+        self.weighed += 1
+        if self.weighed % 2 == 0:
+            self.plain_steps_left = self.backoff * 2**self.handoffs
+            self.handoffs += 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hand_offs_forced_mid_call_keep_the_output_of_generate(kind, monkeypatch, tmp_path):
+    """Hand-offs forced every second speculative step, with a back-off of 2 plain steps (then 4, 8, ...): the call
+    alternates verification steps and spells of plain steps (nothing proposed, the drafter deferred), and the
+    greedy output (ragged rows, EOS at different steps) is still `generate`'s."""
+    monkeypatch.setattr(scheduling, "HandOff", HandOffEverySecondStep)
+    monkeypatch.setattr(feedback, "HANDOFF_BACKOFF", 2)
+    monkeypatch.setenv(STEP_COSTS_ENV, str(tmp_path))  # what this call learns stays out of other tests' cache
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(5, seed=8)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=60)
+    stats = assert_same_as_generate(
+        target, drafter, input_ids, mask, step_costs=None, max_new_tokens=60, pad_token_id=PAD,
+        eos_token_id=int(reference[1, input_ids.shape[1] + 20]),
+    ).speculation_stats
+    assert stats.handoffs >= 3 and sum(stats.width_counts[1:]) >= 3, (stats.handoffs, stats.width_counts)
+    assert stats.width_counts[0] >= 2 + 4 + 8, stats.width_counts
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

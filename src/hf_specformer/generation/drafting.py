@@ -5,7 +5,9 @@ that forward produced, and returns draft logits `[B, k, V]` for the k tokens tha
 token. The engine turns them into draft tokens (argmax or sampling, after logits processing). With `draft=False`
 (the goodput scheduler expects no drafts to pay, `scheduling.py`) it returns None, or free drafts only (prompt
 lookup), and may defer its own work to the next call that drafts (`SpecFormerProposer` does: a step that verifies
-nothing then costs what a plain decoding step does). The engine calls `select_rows` when rows retire and `flush`
+nothing then costs what a plain decoding step does). Before a step the schedule wants plain (its first, a re-timing
+of t_plain, a hand-off), the engine calls `skip` instead: nothing is proposed, not even prompt lookup's free drafts,
+so the step is plain decoding and nothing more. The engine calls `select_rows` when rows retire and `flush`
 before it compacts the caches. After each call `sources` `[B, k]` says where each draft came from
 (`acceptance.DRAFTER`, `LOOKUP`, `NO_DRAFT`).
 
@@ -72,6 +74,15 @@ class Proposer(ABC):
     def cost_description(self) -> dict:
         """What determines the drafting cost (part of the key of cached step costs)."""
         return {"proposer": type(self).__name__, "num_draft_tokens": self.num_draft_tokens}
+
+    def skip(
+        self, batch: RaggedBatch, hidden_states: tuple[torch.Tensor, ...] | None, position_ids: torch.LongTensor,
+        source_index: torch.LongTensor,
+    ) -> None:
+        """Keeps up with a target forward (arguments as `propose`) after which the next step is a plain one: nothing
+        is proposed, not even free drafts. Default: `propose(..., draft=False)` with its result dropped."""
+        self.propose(batch, hidden_states, position_ids, source_index, draft=False)
+        self.sources = None
 
     @abstractmethod
     def propose(
@@ -256,6 +267,10 @@ class PromptLookupProposer(Proposer):
 
     def cost_description(self) -> dict:
         return self.proposer.cost_description()
+
+    def skip(self, batch, hidden_states, position_ids, source_index) -> None:
+        self.proposer.skip(batch, hidden_states, position_ids, source_index)
+        self.sources = None
 
     def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
         """The wrapped proposer's drafts (when `draft`) with lookup matches in their place; without `draft`, the

@@ -522,24 +522,21 @@ def _decode(
     first = _select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
     batch.finished = commit(batch, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
-    drafting = plan.should_draft(batch.size)
-    with patches:
-        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
+    draft_logits, sources, drafting = _propose(plan, proposer, patches, batch, output, position_ids, source_index)
     source_states = _source_states(output, source_index) if companion is not None else None
-    draft_logits, sources, source_states = _retire_rows(
-        batch, caches, proposer, draft_logits, proposer.sources, source_states
-    )
+    draft_logits, sources, source_states = _retire_rows(batch, caches, proposer, draft_logits, sources, source_states)
 
     while batch.size > 0:
         _observe(clock, plan, stats, profile)
-        stats.drafting_steps += drafting
+        stats.drafting_steps += bool(drafting)
+        proposed = drafting is not None  # False: a plain step by the schedule's word (nothing proposed)
         last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
         draft_ids, draft_probs, num_drafts, predicted = _plan_step(
             batch, processor, draft_logits, sources, do_sample, plan, estimator, companion, source_states,
-            last_committed, drafting,
+            last_committed, bool(drafting),
         )
         width = int(num_drafts.max())  # drafts fed per row this step
-        plan.stepped(width)
+        plan.stepped(proposed)
         draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
         attention_mask, position_ids = batch.step_inputs(width + 1)
@@ -566,15 +563,12 @@ def _decode(
         batch.finished = commit(batch, tokens, num_accepted + 1)
         step_size = batch.size
         clock.mark()
-        drafting = plan.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
-        with patches if drafting else contextlib.nullcontext():
-            draft_logits = proposer.propose(batch, output.hidden_states, position_ids, num_accepted, draft=drafting)
+        draft_logits, sources, drafting = _propose(plan, proposer, patches, batch, output, position_ids, num_accepted)
         source_states = _source_states(output, num_accepted) if companion is not None else None
-        draft_logits, sources, source_states = _retire_rows(
-            batch, caches, proposer, draft_logits, proposer.sources, source_states
-        )
+        draft_logits, sources, source_states = _retire_rows(batch, caches, proposer, draft_logits, sources, source_states)
         _maybe_compact(batch, caches, proposer, compaction_hole_fraction, k + 1)
-        clock.lap(("step", step_size, width, torch.stack([num_drafts.sum(), num_accepted.sum(), live.sum()]), drafting))
+        counts = torch.stack([num_drafts.sum(), num_accepted.sum(), live.sum()])
+        clock.lap(("step", step_size, width, counts, proposed, drafting))
 
     _observe(clock, plan, stats, profile)
     stats.handoffs = plan.handoff.handoffs if isinstance(plan, GoodputSchedule) else 0
@@ -585,6 +579,19 @@ def _decode(
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences
+
+
+def _propose(plan, proposer: Proposer, patches, batch: RaggedBatch, output, position_ids, source_index):
+    """The proposer's work after a target forward, as the schedule wants it for the next step -> draft logits
+    `[B, k, V]` (or None), their sources `[B, k]` (or None) and `drafting`: True when the proposer's network drafted,
+    False when it deferred (free drafts such as lookup only), None when the next step is plain (nothing proposed)."""
+    if plan.plain_step_due():
+        proposer.skip(batch, output.hidden_states, position_ids, source_index)
+        return None, None, None
+    drafting = plan.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
+    with patches if drafting else contextlib.nullcontext():
+        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
+    return draft_logits, proposer.sources, drafting
 
 
 def _observe(clock: StepClock, plan, stats: SpecStats, profile: StepCostModel | None) -> None:

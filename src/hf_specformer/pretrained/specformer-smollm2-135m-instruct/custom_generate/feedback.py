@@ -18,14 +18,15 @@ verifies nothing is a plain step of `transformers`' own forward, since the draft
 (`drafting.py`), so t_plain is measured in the loop itself: the engine runs a plain step first, and again whenever
 `PLAIN_REFRESH_STEPS` steps have passed without one.
 
-The guard (`HandOff`). Over the last `HANDOFF_WINDOW` speculative steps it compares the seconds they took with what
-plain steps would have taken for the same tokens, sum_i t_plain(B_i) c_i / L_i (c_i: tokens committed at step i, B_i
-its rows, L_i those still generating). When speculation is behind by more than `HANDOFF_MARGIN`, the call hands off:
-only plain steps for the next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th hand-off), then one probe. Bound: a
-hand-off comes at the latest `HANDOFF_WINDOW` steps after speculation starts to lose, each later probe loses at most
-one window again, and the back-off doubles, so a call of N steps that never gains loses at most about
-HANDOFF_WINDOW x (1 + log2(N / HANDOFF_BACKOFF)) steps' worth of the gap between a speculative and a plain step,
-against N plain steps.
+The guard (`HandOff`), a one-sided CUSUM test. Every step that proposed or verified anything adds its seconds minus
+(1 + `HANDOFF_MARGIN`) times what plain steps would have taken for the tokens it committed, t_plain(B) c / L (c:
+tokens committed, B rows, L of them still generating), to a deficit floored at zero; the seconds it then spent
+proposing for the next step are added after the test, so drafting is weighed with the step that reaps it. When the
+deficit exceeds `HANDOFF_LOSS` plain steps, the call hands off: nothing is proposed for the next `HANDOFF_BACKOFF` x
+2^(n - 1) steps (the n-th hand-off), which are then plain steps of `transformers`' own forward, and the deficit
+restarts. Bound: each spell of speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its
+proposing included) before it is stopped, and the back-off doubles, so a call of N steps in which speculation never
+gains loses at most (HANDOFF_LOSS + one step's excess) x (1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ ACCEPTANCE_PRIOR = 4.0
 ACCEPTANCE_DECAY = 0.9
 """Weight of the past, per verification step, in `AcceptanceScale`'s sums."""
 
-HANDOFF_WINDOW = 16
-"""Speculative steps the guard compares with plain decoding."""
+HANDOFF_LOSS = 1.0
+"""Plain steps' worth of seconds speculation may lose (the guard's deficit) before the call hands off."""
 
 HANDOFF_MARGIN = 0.02
-"""How far behind plain decoding (a share of its time) speculation may fall before the call hands off."""
+"""Share of a plain step's time a step must beat to count as keeping up (absorbs the noise of timing one step)."""
 
-HANDOFF_BACKOFF = 16
+HANDOFF_BACKOFF = 32
 """Plain steps after the first hand-off before speculation is tried again (doubled after each further one)."""
 
 
@@ -110,11 +111,14 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Cost:
-    """One cost: `prior(key)` times the running ratio measured / prior, or without a prior a line a + b x fitted by
-    decayed least squares (a proportional one while a single x has been seen)."""
+    """One cost: `prior(key)` times the running ratio measured / prior (the first timing sets it: a profile gives the
+    shape across batch sizes and widths, this machine now the scale), or without a prior a line a + b x fitted by
+    decayed least squares. While a single x has been seen: a line through the origin (`proportional`), else a
+    constant (rows below the ridge point cost about the same; for more rows the guess underrates the cost)."""
 
-    def __init__(self, prior: Callable | None):
+    def __init__(self, prior: Callable | None, proportional: bool = False):
         self.prior = prior
+        self.proportional = proportional
         self.ratio = 1.0
         self.sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum y, sum x y
         self.observed = 0
@@ -126,7 +130,8 @@ class _Cost:
     def observe(self, key, x: float, seconds: float) -> None:
         self.observed += 1
         if self.prior is not None:
-            self.ratio = RATIO_DECAY * self.ratio + (1 - RATIO_DECAY) * seconds / self.prior(key)
+            ratio = seconds / self.prior(key)
+            self.ratio = ratio if self.observed == 1 else RATIO_DECAY * self.ratio + (1 - RATIO_DECAY) * ratio
             return
         for i, value in enumerate((1.0, x, x * x, seconds, x * seconds)):
             self.sums[i] = FIT_DECAY * self.sums[i] + value
@@ -138,7 +143,7 @@ class _Cost:
         mean_x, mean_y = sx / n, sy / n
         variance = sxx / n - mean_x**2
         if variance <= 1e-6 * mean_x**2:
-            return mean_y * x / mean_x
+            return mean_y * x / mean_x if self.proportional else mean_y
         slope = max((sxy / n - mean_x * mean_y) / variance, 0.0)
         intercept = mean_y - slope * mean_x
         if intercept < 0:
@@ -158,7 +163,7 @@ class OnlineStepCosts:
         self.profile = profile
         has = profile is not None
         self._plain = _Cost(profile.plain if has else None)
-        self._verify = _Cost((lambda key: profile.packed(*key)) if has else None)
+        self._verify = _Cost((lambda key: profile.packed(*key)) if has else None, proportional=True)
         self._draft = _Cost(profile.draft if has else None)
         self.plain_batch_sizes: set[int] = set()
 
@@ -229,14 +234,14 @@ class AcceptanceScale:
 
 
 class HandOff:
-    """The guard of the module docstring: `observe` each speculative step; `active` while the call runs plain steps
-    because speculation fell behind."""
+    """The guard of the module docstring: `observe` each step that proposed or verified; `active` while the call runs
+    plain steps because speculation fell behind."""
 
-    def __init__(self, costs: OnlineStepCosts, window: int = HANDOFF_WINDOW, backoff: int = HANDOFF_BACKOFF):
+    def __init__(self, costs: OnlineStepCosts, loss: float | None = None, backoff: int | None = None):
         self.costs = costs
-        self.window = window
-        self.backoff = backoff
-        self.recent: deque = deque(maxlen=window)  # (seconds taken, seconds plain steps would take)
+        self.loss = HANDOFF_LOSS if loss is None else loss
+        self.backoff = HANDOFF_BACKOFF if backoff is None else backoff
+        self.deficit = 0.0  # seconds behind plain decoding, floored at zero
         self.handoffs = 0
         self.plain_steps_left = 0
 
@@ -248,16 +253,18 @@ class HandOff:
         """Counts down a plain step taken while handed off."""
         self.plain_steps_left = max(self.plain_steps_left - 1, 0)
 
-    def observe(self, batch_size: int, num_live: int, committed: int, seconds: float) -> None:
-        """A speculative step (its drafting included) of `batch_size` rows, `num_live` of them still generating (the
-        rest finished, kept as padding), that committed `committed` tokens."""
-        if not self.costs.plain_known or not num_live:
+    def observe(self, batch_size: int, num_live: int, committed: int, seconds: float,
+                proposing_seconds: float = 0.0) -> None:
+        """A step of `batch_size` rows, `num_live` of them still generating (the rest finished, kept as padding),
+        that committed `committed` tokens in `seconds`, then proposed for the next step in `proposing_seconds`: an
+        outlay weighed with the next step, which reaps it."""
+        if not self.costs.plain_known or not num_live or self.active:  # active: proposed before the hand-off
             return
-        self.recent.append((seconds, self.costs.plain(batch_size) * committed / num_live))
-        if len(self.recent) < self.window:
-            return
-        taken, plain = (sum(values) for values in zip(*self.recent))
-        if taken > (1 + HANDOFF_MARGIN) * plain:
+        plain = self.costs.plain(batch_size)
+        self.deficit = max(self.deficit + seconds - (1 + HANDOFF_MARGIN) * plain * committed / num_live, 0.0)
+        if self.deficit > self.loss * plain:
             self.plain_steps_left = self.backoff * 2**self.handoffs
             self.handoffs += 1
-            self.recent.clear()
+            self.deficit = 0.0
+        else:
+            self.deficit += proposing_seconds

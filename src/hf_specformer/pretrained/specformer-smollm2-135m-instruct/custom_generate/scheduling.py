@@ -316,10 +316,13 @@ class FixedSchedule:
     def should_draft(self, batch_size: int) -> bool:
         return True
 
+    def plain_step_due(self) -> bool:
+        return False
+
     def speculation_pays(self, batch_size: int) -> bool:
         return True
 
-    def stepped(self, width: int) -> None:
+    def stepped(self, proposed: bool) -> None:
         """Fixed schedules keep no count of steps."""
 
     def observe(self, steps: list) -> None:
@@ -381,8 +384,9 @@ class GoodputSchedule:
                    for inputs in values.flatten().tolist()]
         return torch.tensor(seconds, dtype=torch.float64).view_as(values)
 
-    def _plain_due(self) -> bool:
-        """Whether the next step must be a plain one: the first of the call, a refresh of t_plain, or handed off."""
+    def plain_step_due(self) -> bool:
+        """Whether the next step must be a plain one (nothing proposed, not even free drafts): the first of the
+        call, a refresh of t_plain, or handed off."""
         if not self.feedback:
             return False
         return self.handoff.active or self.steps_since_plain is None or self.steps_since_plain >= PLAIN_REFRESH_STEPS
@@ -398,7 +402,7 @@ class GoodputSchedule:
         if drafted:
             per_row = torch.cat([cumulative.new_zeros(batch_size, 1), cumulative.cumsum(1)], dim=1)
             self._remember(per_row.mean(0))
-        if self._plain_due():
+        if self.plain_step_due():
             counts = torch.zeros(batch_size, dtype=torch.long)
         elif not self.costs.verify_known:
             counts = (cumulative > 0).sum(1)
@@ -410,9 +414,9 @@ class GoodputSchedule:
             self.predictions.append(float((cumulative * verified).sum()))
         return counts.to(device)
 
-    def stepped(self, width: int) -> None:
-        """The engine ran a step of this width (0: a plain step, with or without drafts to choose from)."""
-        self.steps_since_plain = 0 if width == 0 else self.steps_since_plain + 1
+    def stepped(self, proposed: bool) -> None:
+        """The engine ran a step; `proposed`: with proposals (False: a plain step, which times t_plain)."""
+        self.steps_since_plain = self.steps_since_plain + 1 if proposed else 0
 
     def _choose_width(self, cumulative: torch.Tensor) -> torch.LongTensor:
         """Padded steps: every row verifies its drafts up to the one width w* that maximises the rate."""
@@ -464,8 +468,6 @@ class GoodputSchedule:
         """Whether drafting for the next step is expected to pay (or a probe is due); never before a plain step."""
         if batch_size == 0 or self.handoff.active or self.steps_since_plain is None:
             return False
-        if self.feedback and self.steps_since_plain + 1 >= PLAIN_REFRESH_STEPS:  # the next step is plain anyway
-            return False
         if self.expected is None or not self.costs.known:
             return True
         if self._drafting_pays(batch_size):
@@ -480,21 +482,23 @@ class GoodputSchedule:
 
     def observe(self, steps: list[tuple[tuple, list[float]]]) -> None:
         """Timed steps (`StepClock.read`): ("step", B, width, [drafts verified, accepted, rows still generating],
-        drafted) with the seconds of verification (forward, verify, commit) and of drafting (propose, retire rows,
-        compact). Updates the costs and the hand-off guard; a step that verified nothing and drafted nothing is a
-        plain step."""
+        proposed, drafting) with the seconds of verification (forward, verify, commit) and of proposing for the next
+        step (propose, retire rows, compact); `proposed`: whether the step had proposals (False: a plain step by
+        this schedule's word, which times t_plain); `drafting`: the proposing that followed (None: skipped, False:
+        free drafts only, True: the drafter ran). Updates the costs and the hand-off guard, which weighs every
+        step except a plain one followed by a plain one."""
         if not self.feedback:
             return
-        for (_, batch_size, width, counts, drafted), (verify_seconds, draft_seconds) in steps:
+        for (_, batch_size, width, counts, proposed, drafting), (verify_seconds, draft_seconds) in steps:
             drafts, accepted, num_live = (int(count) for count in counts.tolist())
-            if width == 0:
-                self.costs.observe_plain(batch_size, verify_seconds + (0.0 if drafted else draft_seconds))
-                if self.handoff.active:
-                    self.handoff.plain_step()
-            else:
+            if width:
                 self.costs.observe_verify(batch_size, batch_size + drafts, verify_seconds)
                 self.acceptance.observe(accepted, self.predictions.popleft())
-            if drafted:
+            elif not proposed:
+                self.costs.observe_plain(batch_size, verify_seconds + (draft_seconds if drafting is None else 0.0))
+                if self.handoff.active:
+                    self.handoff.plain_step()
+            if drafting:
                 self.costs.observe_draft(batch_size, draft_seconds)
-            if width or drafted:
-                self.handoff.observe(batch_size, num_live, num_live + accepted, verify_seconds + draft_seconds)
+            if proposed or drafting is not None:
+                self.handoff.observe(batch_size, num_live, num_live + accepted, verify_seconds, draft_seconds)

@@ -105,12 +105,12 @@ class SpecStats:
     def record_seconds(self, steps: list[tuple[tuple, list[float]]], profile=None) -> None:
         """Timed steps (`StepClock.read`, labelled as `GoodputSchedule.observe` reads them): their seconds by width,
         and beside them what `profile` (a `StepCostModel`, or None) predicted."""
-        for (_, batch_size, width, counts, drafted), seconds in steps:
+        for (_, batch_size, width, counts, _, drafting), seconds in steps:
             self.seconds_by_width[width] += sum(seconds)
             if profile is not None:
                 drafts = int(counts[0])
                 step = profile.plain(batch_size) if width == 0 else profile.packed(batch_size, batch_size + drafts)
-                self.predicted_seconds_by_width[width] += step + (profile.draft(batch_size) if drafted else 0.0)
+                self.predicted_seconds_by_width[width] += step + (profile.draft(batch_size) if drafting else 0.0)
 
     def finish(self) -> None:
         """Copies the device counts into the attributes (one host synchronisation per call)."""
