@@ -91,7 +91,7 @@ class SpecStats:
             step[2] = (predicted * verified).sum()
         at_least = torch.arange(1, k + 1, device=num_accepted.device)[None, :] <= num_accepted[:, None]  # [B, k]
         step[4 : 4 + k] = at_least.sum(0)
-        step[4 + k : -1] = torch.nn.functional.one_hot(num_drafts.max(), k + 1)
+        step[4 + k : -1] = torch.arange(k + 1, device=num_drafts.device) == num_drafts.max()  # one-hot width, no sync
         step[-1] = num_drafts.max() * num_drafts.numel() - num_drafts.sum()
         self._totals += step
         self._row_steps.index_add_(0, row_ids, torch.ones_like(row_ids) if live is None else live.long())
