@@ -109,18 +109,20 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
                           cost_feedback=False),
         "goodput-feedback": dict(schedule="goodput"),  # no costs: learnt from the call's own timed steps
     }[schedule]
-    rows = []
+    rows, accepted, drafted = [], 0, 0
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
         out = generate(
             target, input_ids=prompt[None].repeat(5000, 1), attention_mask=torch.ones(5000, len(prompt)),
             assistant_model=drafter, num_draft_tokens=3, generation_config=config, **speculation,
         )
         rows.append(out[:, len(prompt):])
+        accepted, drafted = accepted + drafter.speculation_stats.accepted, drafted + drafter.speculation_stats.drafted
     samples = torch.cat(rows)
     codes = (samples * torch.tensor([VOCAB**2, VOCAB, 1])).sum(1)
     counts = torch.bincount(codes, minlength=VOCAB**NEW_TOKENS).double()
-    stats = drafter.speculation_stats
-    assert 0 < stats.accepted < stats.drafted, "the test needs both acceptances and rejections"
+    stats = drafter.speculation_stats  # the last call's
+    # over all calls: with cost feedback a later call may verify nothing, if its learnt costs say drafts do not pay
+    assert 0 < accepted < drafted, "the test needs both acceptances and rejections"
     if schedule == "threshold":
         assert 1.2 < stats.drafts_per_step < 2.8, stats.drafts_per_step
     if schedule == "goodput" and prompt.tolist() != LOOKUP_PROMPT:  # lookup drafts stay accepted
