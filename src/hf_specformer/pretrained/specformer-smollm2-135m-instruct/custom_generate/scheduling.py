@@ -466,7 +466,7 @@ class GoodputSchedule:
 
     def should_draft(self, batch_size: int) -> bool:
         """Whether drafting for the next step is expected to pay (or a probe is due); never before a plain step."""
-        if batch_size == 0 or self.handoff.active or self.steps_since_plain is None:
+        if batch_size == 0 or self.plain_step_due():
             return False
         if self.expected is None or not self.costs.known:
             return True
