@@ -1,6 +1,14 @@
 """hf-specformer: SpecFormer drafters and batched, lossless speculative decoding for Hugging Face transformers."""
 
-from .generation import OracleProposer, PromptLookupProposer, Proposer, SpecFormerProposer, SpecStats, generate
+from .generation import (
+    OracleProposer,
+    PromptLookupProposer,
+    Proposal,
+    Proposer,
+    SpecFormerProposer,
+    SpecStats,
+    generate,
+)
 from .models import (
     CompanionConfig,
     CompanionForVerification,
@@ -16,6 +24,7 @@ __all__ = [
     "CompanionForVerification",
     "OracleProposer",
     "PromptLookupProposer",
+    "Proposal",
     "Proposer",
     "SpecFormerConfig",
     "SpecFormerForDrafting",

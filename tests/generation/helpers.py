@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_specformer import OracleProposer, generate
+from hf_specformer import OracleProposer, Proposal, generate
 from hf_specformer.generation.acceptance import NUM_SOURCES, PRIOR_TRIALS, SIGNALS, AcceptanceTable
 from hf_specformer.generation.scheduling import StepCostModel
 
@@ -63,12 +63,12 @@ class SoftOracle(OracleProposer):
         super().__init__(noisy.continuations[:, :-(k + 1)], k, vocab, PAD)
         self.generator = torch.Generator().manual_seed(seed + 1)
 
-    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
-        one_hot = super().propose(batch, hidden_states, position_ids, source_index, draft)
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
+        one_hot = super().propose(batch, hidden_states, position_ids, source_index, draft).logits
         if one_hot is None:
-            return None
+            return Proposal()
         margin = torch.rand(one_hot.shape[:2], generator=self.generator, dtype=one_hot.dtype) * 8
-        return torch.where(one_hot.isinf(), 0.0, margin[..., None])
+        return Proposal(torch.where(one_hot.isinf(), 0.0, margin[..., None]))
 
 
 def assert_same_as_generate(

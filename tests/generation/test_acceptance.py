@@ -10,10 +10,12 @@ from hf_specformer.generation.acceptance import (
     LOOKUP,
     NO_DRAFT,
     PRIOR_TRIALS,
+    SIGNALS,
     AcceptanceEstimator,
     AcceptanceTable,
-    observed_outcomes,
     draft_confidence,
+    draft_features,
+    observed_outcomes,
     sv_features,
     uniform_edges,
 )
@@ -86,8 +88,24 @@ def test_estimator_gives_cumulative_estimates_zero_without_drafts_and_counts_wha
     drafts = torch.ones(2, 3, dtype=torch.long)
     sources = torch.tensor([[DRAFTER, DRAFTER, LOOKUP], [DRAFTER, NO_DRAFT, NO_DRAFT]])
     cumulative = estimator.estimate(probs, drafts, sources)
-    assert cumulative[0].tolist() == pytest.approx([0.85, 0.85**2, 0.85**3])
+    # a looked-up draft is one-hot: confidence 1, whatever the network's distribution there (the top bin's 0.95)
+    assert cumulative[0].tolist() == pytest.approx([0.85, 0.85**2, 0.85**2 * 0.95])
     assert cumulative[1].tolist() == pytest.approx([0.85, 0.0, 0.0])
     estimator.observe(num_accepted=torch.tensor([1, 0]), num_drafts=torch.tensor([3, 1]))
     assert float(estimator.table.trials.sum()) == 3  # row 0: slots 1 (accepted) and 2 (rejected); row 1: slot 1
     assert float(estimator.table.accepted.sum()) == 1
+
+
+def test_looked_up_drafts_need_no_distribution_and_score_as_one_hot():
+    """Lookup-only steps build nothing over the vocabulary: their features equal those of one-hot distributions."""
+    drafts = torch.tensor([[3, 1], [0, 2]])
+    sources = torch.tensor([[LOOKUP, LOOKUP], [LOOKUP, NO_DRAFT]])
+    one_hot = torch.nn.functional.one_hot(drafts, 5).float()
+    companion = torch.softmax(torch.randn(2, 2, 5, generator=torch.Generator().manual_seed(0)), -1)
+    for signal, kwargs in (("confidence", {}), ("sv", {"companion_probs": companion})):
+        without = draft_features(signal, None, drafts, sources, **kwargs)
+        with_one_hot = draft_features(signal, one_hot, drafts, sources, **kwargs)
+        assert without.shape == (2, 2, SIGNALS[signal])
+        torch.testing.assert_close(without[sources == LOOKUP], with_one_hot[sources == LOOKUP])
+    expected = companion.gather(2, drafts[..., None])
+    torch.testing.assert_close(draft_features("sv", None, drafts, sources, companion)[0], expected[0].expand(2, 2))

@@ -253,12 +253,12 @@ class RecordingProposer(SpecFormerProposer):
         self.records = []
 
     def propose(self, batch, hidden_states, position_ids, source_index, draft=True):
-        logits = super().propose(batch, hidden_states, position_ids, source_index, draft)
-        if logits is not None:
+        proposal = super().propose(batch, hidden_states, position_ids, source_index, draft)
+        if proposal.drafted:
             self.records.extend(
-                zip(batch.row_ids.tolist(), batch.num_generated[batch.row_ids].tolist(), logits)
+                zip(batch.row_ids.tolist(), batch.num_generated[batch.row_ids].tolist(), proposal.logits)
             )
-        return logits
+        return proposal
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

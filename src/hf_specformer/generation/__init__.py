@@ -1,6 +1,6 @@
 """Batched, lossless speculative generation (shipped flattened as the drafter folder's `custom_generate/`)."""
 
-from .drafting import OracleProposer, PromptLookupProposer, Proposer, SpecFormerProposer
+from .drafting import OracleProposer, PromptLookupProposer, Proposal, Proposer, SpecFormerProposer
 from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
 from .generate import generate
 from .products import FewRowLinears
@@ -10,6 +10,7 @@ __all__ = [
     "FewRowLinears",
     "OracleProposer",
     "PromptLookupProposer",
+    "Proposal",
     "Proposer",
     "SpecFormerProposer",
     "SpecStats",

@@ -56,9 +56,31 @@ def draft_confidence(draft_probs: torch.Tensor, draft_ids: torch.LongTensor, sam
     return draft_probs.gather(2, draft_ids[..., None]).squeeze(2)
 
 
-def confidence_features(draft_probs: torch.Tensor, draft_ids: torch.LongTensor, sampled: bool = False) -> torch.Tensor:
-    """draft_probs `[B, k, V]`, draft_ids `[B, k]` -> `[B, k, 1]`: `draft_confidence`."""
-    return draft_confidence(draft_probs, draft_ids, sampled)[..., None].float()
+def draft_features(
+    signal: str, draft_probs: torch.Tensor | None, draft_ids: torch.LongTensor, sources: torch.LongTensor,
+    companion_probs: torch.Tensor | None = None, sampled: bool = False,
+) -> torch.Tensor:
+    """The signal of each draft -> `[B, k, F]` (F = `SIGNALS[signal]`).
+
+    Args:
+        signal: "confidence" (`draft_confidence`) or "sv" (Speculative Verification's (S, A)).
+        draft_probs: `[B, k, V]` processed draft distributions of the network's drafts, or None where none drafted.
+        draft_ids: `[B, k]` the drafts; sources: `[B, k]` their sources.
+        companion_probs: `[B, k, V]` P_c (signal "sv").
+        sampled: the network's drafts were sampled (`draft_confidence`).
+
+    A looked-up draft's distribution is one-hot, so its confidence is 1 and its (S, A) are both P_c(d); it needs no
+    distribution over the vocabulary. Entries at `NO_DRAFT` positions are meaningless (estimated 0 anyway)."""
+    lookup = (sources == LOOKUP)[..., None]
+    if signal == "sv":
+        p_c = companion_probs.gather(2, draft_ids[..., None]).float()
+        fixed = torch.cat([p_c, p_c], dim=-1)
+        network = sv_features(draft_probs, companion_probs, draft_ids, sampled) if draft_probs is not None else fixed
+    else:
+        fixed = torch.ones(*draft_ids.shape, 1, device=draft_ids.device)
+        network = draft_confidence(draft_probs, draft_ids, sampled)[..., None].float() if draft_probs is not None \
+            else fixed
+    return torch.where(lookup, fixed, network)
 
 
 def sv_features(
@@ -239,17 +261,15 @@ class AcceptanceEstimator:
         return self.table.signal
 
     def estimate(
-        self, draft_probs: torch.Tensor, draft_ids: torch.LongTensor, sources: torch.LongTensor,
+        self, draft_probs: torch.Tensor | None, draft_ids: torch.LongTensor, sources: torch.LongTensor,
         companion_probs: torch.Tensor | None = None, sampled: bool = False,
     ) -> torch.Tensor:
-        """P_d `[B, k, V]`, drafts `[B, k]`, sources `[B, k]`, P_c `[B, k, V]` (signal "sv") -> q `[B, k]`, the
-        chance that drafts 1..j are all accepted (0 from a position without a draft on). `sampled`: the drafts were
-        sampled, so the signals read their distributions only (`draft_confidence`)."""
+        """P_d `[B, k, V]` (None: no network drafts), drafts `[B, k]`, sources `[B, k]`, P_c `[B, k, V]` (signal
+        "sv") -> q `[B, k]`, the chance that drafts 1..j are all accepted (0 from a position without a draft on).
+        `sampled`: the network's drafts were sampled, so the signals read their distributions only
+        (`draft_confidence`)."""
         batch, k = draft_ids.shape
-        if self.signal == "sv":
-            features = sv_features(draft_probs, companion_probs, draft_ids, sampled)
-        else:
-            features = confidence_features(draft_probs, draft_ids, sampled)
+        features = draft_features(self.signal, draft_probs, draft_ids, sources, companion_probs, sampled)
         slots = torch.arange(k, device=draft_ids.device).expand(batch, k)
         features, sources, slots = features.flatten(0, 1), sources.flatten(), slots.flatten()
         per_draft = self.table.estimate(features, sources, slots).masked_fill(sources == NO_DRAFT, 0.0)

@@ -1,15 +1,15 @@
 """Proposers: where drafts come from. They only return draft logits; acceptance lives in `verification.py`.
 
 A proposer is called once after every target forward (the prompt's prefill, then each verification step) with what
-that forward produced, and returns draft logits `[B, k, V]` for the k tokens that follow each row's newly committed
-token. The engine turns them into draft tokens (argmax or sampling, after logits processing). With `draft=False`
-(the goodput scheduler expects no drafts to pay, `scheduling.py`) it returns None, or free drafts only (prompt
-lookup), and may defer its own work to the next call that drafts (`SpecFormerProposer` does: a step that verifies
-nothing then costs what a plain decoding step does). Before a step the schedule wants plain (its first, a re-timing
-of t_plain, a hand-off), the engine calls `skip` instead: nothing is proposed, not even prompt lookup's free drafts,
-so the step is plain decoding and nothing more. The engine calls `select_rows` when rows retire and `flush`
-before it compacts the caches. After each call `sources` `[B, k]` says where each draft came from
-(`acceptance.DRAFTER`, `LOOKUP`, `NO_DRAFT`).
+that forward produced, and returns a `Proposal` for the k tokens that follow each row's newly committed token: its
+network's draft logits `[B, k, V]`, which the engine turns into tokens (argmax or sampling, after logits
+processing), and/or draft ids fixed by a free source (prompt lookup), with the source of every draft. With
+`draft=False` (the goodput scheduler expects no drafts to pay, `scheduling.py`) the network does not draft: the
+proposal holds free drafts only, and the proposer may defer its own work to the next call that drafts
+(`SpecFormerProposer` does: a step that verifies nothing then costs what a plain decoding step does). Before a step
+the schedule wants plain (its first, a re-timing of t_plain, a hand-off), the engine calls `skip` instead: nothing
+is proposed, not even free drafts, so the step is plain decoding and nothing more. The engine calls `select_rows`
+when rows retire and `flush` before it compacts the caches.
 
 - `SpecFormerProposer`: the SpecFormer drafter, fused with verification (paper: one forward per step). It reads the
   target's hooked hidden states of the forward's T inputs, appends them to its own context-attention cache, and runs
@@ -26,6 +26,7 @@ Bundled into `custom_generate/`: it reaches the drafter only through its `forwar
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
@@ -35,17 +36,46 @@ from .batch import RaggedBatch
 from .caching import PreallocatedCache
 
 
+@dataclass
+class Proposal:
+    """The drafts a proposer offers for the next step, k per row.
+
+    Attributes:
+        logits: `[B, k, V]` the proposer's network's draft logits, unprocessed (None: the network did not draft).
+        ids: `[B, k]` drafts fixed by a free source, read where `sources == LOOKUP` (None: no such drafts). They
+            are not logits-processed or sampled: their draft distribution is one-hot, so verification stays lossless.
+        sources: `[B, k]` where each draft comes from, `acceptance.DRAFTER`, `LOOKUP` or `NO_DRAFT` (None: the
+            network, everywhere).
+    """
+
+    logits: torch.Tensor | None = None
+    ids: torch.LongTensor | None = None
+    sources: torch.LongTensor | None = None
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the proposer's network drafted (it costs a forward), rather than free drafts alone."""
+        return self.logits is not None
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing is proposed."""
+        return self.logits is None and self.ids is None
+
+    def select_rows(self, keep: torch.LongTensor) -> "Proposal":
+        """The proposal for the rows `keep` (`[B']`)."""
+        return Proposal(*(None if tensor is None else tensor[keep] for tensor in (self.logits, self.ids, self.sources)))
+
+
 class Proposer(ABC):
     """Base class. Subclasses set `requires_hidden_states` and implement `propose`.
 
     Attributes:
         num_draft_tokens: k, drafts per row and step.
         requires_hidden_states: whether the target forward must return `hidden_states` for `propose`.
-        sources: `[B, k]` where the last proposal's drafts came from (None: all from the proposer's network).
     """
 
     requires_hidden_states: bool = False
-    sources: torch.LongTensor | None = None
 
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = num_draft_tokens
@@ -82,7 +112,6 @@ class Proposer(ABC):
         """Keeps up with a target forward (arguments as `propose`) after which the next step is a plain one: nothing
         is proposed, not even free drafts. Default: `propose(..., draft=False)` with its result dropped."""
         self.propose(batch, hidden_states, position_ids, source_index, draft=False)
-        self.sources = None
 
     @abstractmethod
     def propose(
@@ -92,15 +121,16 @@ class Proposer(ABC):
         position_ids: torch.LongTensor,
         source_index: torch.LongTensor,
         draft: bool = True,
-    ) -> torch.Tensor | None:
-        """Draft logits `[B, k, V]` after a target forward of T inputs per row (None: no drafts).
+    ) -> Proposal:
+        """The drafts that follow a target forward of T inputs per row.
 
         Args:
             batch: state *after* the forward's commit (`batch.attention_mask` is `[B, S + T]`, rejected inputs hidden).
             hidden_states: the target's `output_hidden_states` (L + 1 tensors `[B, T, d]`), or None if not required.
             position_ids: `[B, T]` positions of the T inputs.
             source_index: `[B]` index in 0..T-1 of each row's last accepted input.
-            draft: False when the next step is not expected to verify drafts: skip what only drafting needs.
+            draft: False when the next step is not expected to verify drafts: the network does not draft (free
+                drafts may still be proposed), and the proposer may defer what only drafting needs.
         """
 
 
@@ -124,7 +154,6 @@ class SpecFormerProposer(Proposer):
                 f"draft_length={drafter.config.draft_length}."
             )
         self.drafter = drafter
-        self.vocab_size = drafter.config.vocab_size
         self.cache: Cache = DynamicCache()
         self.deferred: list[tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]] = []
 
@@ -161,14 +190,14 @@ class SpecFormerProposer(Proposer):
         )
         output.logits.float().softmax(-1)
 
-    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
         hooked = torch.stack(self.drafter.select_hooked_states(hidden_states), dim=2)  # [B, T, 4, d]
         self.deferred.append((hooked, position_ids, batch.next_tokens(source_index, position_ids.shape[1])))
         if not draft:
-            return None
+            return Proposal()
         offset = sum(inputs[1].shape[1] for inputs in self.deferred[:-1])
         hooked, position_ids, next_token_ids = self._take_deferred()
-        return self._forward(batch, hooked, position_ids, next_token_ids, (offset + source_index)[:, None])
+        return Proposal(self._forward(batch, hooked, position_ids, next_token_ids, (offset + source_index)[:, None]))
 
     def _take_deferred(self) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
         """The deferred inputs, concatenated along T, and none left."""
@@ -188,11 +217,6 @@ class SpecFormerProposer(Proposer):
             next_token_ids=next_token_ids,
         )
         return None if draft_positions is None else output.logits[:, 0]  # [B, k, V]
-
-
-LOOKUP_LOGIT_GAP = 1e4
-"""A looked-up draft gets logit 0 and every other token -LOOKUP_LOGIT_GAP: one-hot after softmax, finite so that a
-logits processor that masks the looked-up token leaves a valid (uniform) distribution rather than NaNs."""
 
 
 def lookup_drafts(
@@ -227,8 +251,9 @@ class PromptLookupProposer(Proposer):
     Looked-up drafts cost no forward, and text often repeats its prompt or itself (names, code, lists), where a
     learned drafter's later slots rarely reach. Measured teacher-forced on SmolLM2's greedy MT-bench answers with
     the shipped drafter (k = 4): kappa 1.47 alone, 1.77 with lookup for n = 4..2 (n = 6..3: 1.72; n = 3..1: 1.72).
-    A looked-up draft is one-hot (`LOOKUP_LOGIT_GAP`), so sampling stays lossless: it is accepted with the target's
-    probability of that token, and a rejection samples the target's distribution without it.
+    Looked-up drafts are ids (`Proposal.ids`): their draft distribution is one-hot, so sampling stays lossless (a
+    draft is accepted with the target's probability of that token, and a rejection samples the target's
+    distribution without it), and a step with lookup drafts alone builds nothing over the vocabulary.
     The wrapped proposer sees every step (SpecFormer's context cache must see every committed position).
 
     Args:
@@ -245,7 +270,6 @@ class PromptLookupProposer(Proposer):
         self.proposer = proposer
         self.max_ngram_size = max_ngram_size
         self.requires_hidden_states = proposer.requires_hidden_states
-        self.vocab_size = proposer.vocab_size
 
     def start(self, capacity: int) -> None:
         self.proposer.start(capacity)
@@ -270,22 +294,14 @@ class PromptLookupProposer(Proposer):
 
     def skip(self, batch, hidden_states, position_ids, source_index) -> None:
         self.proposer.skip(batch, hidden_states, position_ids, source_index)
-        self.sources = None
 
-    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
-        """The wrapped proposer's drafts (when `draft`) with lookup matches in their place; without `draft`, the
-        lookup matches alone (None if there are none)."""
-        logits = self.proposer.propose(batch, hidden_states, position_ids, source_index, draft)  # [B, k, V] or None
-        drafts, found = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
-        self.stats.record_lookups(found, batch.tokens.shape[0])
-        self.sources = torch.where(found, LOOKUP, DRAFTER if logits is not None else NO_DRAFT)
-        if not found.any():
-            return logits
-        one_hot = torch.full(
-            (*drafts.shape, self.vocab_size), -LOOKUP_LOGIT_GAP, device=drafts.device,
-            dtype=torch.float32 if logits is None else logits.dtype,
-        ).scatter_(2, drafts[..., None], 0.0)
-        return one_hot if logits is None else torch.where(found[..., None], one_hot, logits)
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
+        """The wrapped proposer's proposal (its network drafts when `draft`) with lookup matches as fixed drafts in
+        their place."""
+        proposal = self.proposer.propose(batch, hidden_states, position_ids, source_index, draft)
+        ids, found = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
+        elsewhere = proposal.sources if proposal.sources is not None else DRAFTER if proposal.drafted else NO_DRAFT
+        return Proposal(proposal.logits, ids, torch.where(found, LOOKUP, elsewhere))
 
 
 class OracleProposer(Proposer):
@@ -302,12 +318,12 @@ class OracleProposer(Proposer):
         self.continuations = torch.cat([continuations, padding], dim=1)
         self.vocab_size = vocab_size
 
-    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> torch.Tensor | None:
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
         if not draft:
-            return None
+            return Proposal()
         rows = batch.row_ids
         columns = batch.num_generated[rows, None] + torch.arange(self.num_draft_tokens, device=rows.device)
         columns = columns.clamp(max=self.continuations.shape[1] - 1)
         draft_ids = self.continuations.to(rows.device)[rows[:, None], columns]  # [B, k]
         logits = torch.full((rows.numel(), self.num_draft_tokens, self.vocab_size), float("-inf"), device=rows.device)
-        return logits.scatter_(2, draft_ids[..., None], 0.0)
+        return Proposal(logits.scatter_(2, draft_ids[..., None], 0.0))

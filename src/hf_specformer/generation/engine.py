@@ -25,11 +25,19 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .acceptance import DRAFTER, SIGNALS, AcceptanceEstimator, AcceptanceTable, draft_confidence, uniform_edges
+from .acceptance import (
+    DRAFTER,
+    LOOKUP,
+    SIGNALS,
+    AcceptanceEstimator,
+    AcceptanceTable,
+    draft_features,
+    uniform_edges,
+)
 from .attention import GroupedQueryAttention
 from .batch import RaggedBatch
 from .caching import PreallocatedCache
-from .drafting import Proposer
+from .drafting import Proposal, Proposer
 from .feedback import StepClock
 from .packing import PackedLinears
 from .processing import RaggedLogitsProcessor
@@ -128,23 +136,48 @@ def _select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
     return torch.multinomial(scores.softmax(-1), 1).squeeze(1)
 
 
-def _draft(batch: RaggedBatch, processor: RaggedLogitsProcessor, draft_logits: torch.Tensor, do_sample: bool):
-    """Draft logits `[B, k, V]` -> draft ids `[B, k]` (written as scratch after each row's prefix) and their processed
-    scores `[B, k, V]`. Slot j is processed with the prefix committed + drafts 1..j, one slot at a time when a
-    processor reads the prefix."""
-    num_slots = draft_logits.shape[1]
+def _draft(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Proposal, do_sample: bool,
+           needs_probs: bool) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor | None]:
+    """A proposal -> draft ids `[B, k]` (written as scratch after each row's prefix), their sources `[B, k]`, and the
+    processed probabilities `[B, k, V]` of the network's drafts (None when it did not draft, or without
+    `needs_probs`). A network draft at slot j is processed with the prefix committed + drafts 1..j-1, one slot at a
+    time when a processor reads the prefix; fixed drafts (lookup) take the place of the network's where their source
+    says so, unprocessed."""
+    sources = proposal.sources
+    if sources is None:
+        sources = torch.full(proposal.logits.shape[:2], DRAFTER, dtype=torch.long, device=proposal.logits.device)
+    fixed = (sources == LOOKUP) if proposal.ids is not None else None
+    if not proposal.drafted:
+        batch.write(proposal.ids)
+        return proposal.ids, sources, None
+
+    def select(scores: torch.Tensor, slots: slice) -> torch.LongTensor:
+        ids = _select_tokens(scores.flatten(0, 1), do_sample).view(scores.shape[:2])
+        return ids if fixed is None else torch.where(fixed[:, slots], proposal.ids[:, slots], ids)
+
     if not processor.reads_prefix:
-        scores = processor(batch, draft_logits)  # [B, k, V]
-        draft_ids = _select_tokens(scores.flatten(0, 1), do_sample).view(batch.size, num_slots)
+        scores = processor(batch, proposal.logits)  # [B, k, V]
+        draft_ids = select(scores, slice(None))
         batch.write(draft_ids)
-        return draft_ids, scores
-    draft_ids, all_scores = [], []
-    for j in range(num_slots):
-        scores = processor(batch, draft_logits[:, j : j + 1], offset=j)[:, 0]
-        draft_ids.append(_select_tokens(scores, do_sample))
-        batch.write(draft_ids[-1][:, None], offset=j)
-        all_scores.append(scores)
-    return torch.stack(draft_ids, dim=1), torch.stack(all_scores, dim=1)
+    else:
+        ids, all_scores = [], []
+        for j in range(proposal.logits.shape[1]):
+            all_scores.append(processor(batch, proposal.logits[:, j : j + 1], offset=j))
+            ids.append(select(all_scores[-1], slice(j, j + 1)))
+            batch.write(ids[-1], offset=j)
+        draft_ids, scores = torch.cat(ids, dim=1), torch.cat(all_scores, dim=1)
+    return draft_ids, sources, scores.softmax(-1) if needs_probs else None
+
+
+def _draft_distributions(draft_ids: torch.LongTensor, sources: torch.LongTensor, draft_probs: torch.Tensor | None,
+                         vocab_size: int) -> torch.Tensor:
+    """q `[B, w, V]` of the verified drafts `[B, w]` for rejection sampling: the network's processed probabilities,
+    one-hot for fixed (looked-up) drafts."""
+    one_hot = torch.nn.functional.one_hot(draft_ids, vocab_size).float()
+    if draft_probs is None:
+        return one_hot
+    width = draft_ids.shape[1]
+    return torch.where((sources[:, :width] == LOOKUP)[..., None], one_hot, draft_probs[:, :width])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -273,35 +306,30 @@ def _source_states(output, index: torch.LongTensor) -> torch.Tensor:
     return last[torch.arange(last.shape[0], device=last.device), index]
 
 
-def _plan_step(
-    batch, processor, draft_logits, sources, do_sample, plan, estimator, companion, source_states, last_committed,
-    drafted,
-):
-    """This step's drafts and how many of them each row verifies (`drafted`: whether the proposer's network made
-    them, rather than free lookup alone).
+def _plan_step(batch, processor, proposal, do_sample, plan, estimator, companion, source_states, last_committed):
+    """This step's drafts and how many of them each row verifies.
 
-    Returns draft ids `[B, k]` (`[B, 0]` without drafts), their processed probabilities `[B, k, V]` (None when
-    neither sampling nor the schedule needs them), drafts verified per row `[B]` and the estimated chance that
-    drafts 1..j are all accepted `[B, k]` (None without an estimator)."""
-    if draft_logits is None:  # nothing drafted: a plain decoding step
+    Returns draft ids `[B, k]` (`[B, 0]` without drafts), their sources `[B, k]`, the processed probabilities of the
+    network's drafts `[B, k, V]` (None when it did not draft, or when neither sampling nor the schedule reads them),
+    drafts verified per row `[B]` and the estimated chance that drafts 1..j are all accepted `[B, k]` (None without
+    an estimator)."""
+    if proposal is None or proposal.empty:  # nothing proposed: a plain decoding step
         none = torch.zeros(batch.size, dtype=torch.long, device=last_committed.device)
-        return none[:, None][:, :0], None, none, None
-    draft_ids, draft_scores = _draft(batch, processor, draft_logits, do_sample)
+        return none[:, None][:, :0], none[:, None][:, :0], None, none, None
     needs_probs = do_sample or estimator is not None or plan.needs_confidence
-    draft_probs = draft_scores.softmax(-1) if needs_probs else None
+    draft_ids, sources, draft_probs = _draft(batch, processor, proposal, do_sample, needs_probs)
     if estimator is None:
-        confidence = draft_confidence(draft_probs, draft_ids, do_sample) if needs_probs else None
+        confidence = draft_features("confidence", draft_probs, draft_ids, sources, sampled=do_sample)[..., 0] \
+            if plan.needs_confidence else None
         num_drafts, predicted = plan.choose(draft_ids, confidence), None
     else:
-        if sources is None:
-            sources = torch.full_like(draft_ids, DRAFTER)
         companion_probs = (
             _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
         )
         predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample)
         predicted = predicted.masked_fill(batch.finished[:, None], 0.0)  # the scheduler spends nothing on padding
-        num_drafts = plan.choose(draft_ids, None, predicted, drafted)
-    return draft_ids, draft_probs, num_drafts.masked_fill(batch.finished, 0), predicted  # padding rows verify none
+        num_drafts = plan.choose(draft_ids, None, predicted, proposal.drafted)
+    return draft_ids, sources, draft_probs, num_drafts.masked_fill(batch.finished, 0), predicted
 
 
 def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
@@ -314,18 +342,20 @@ def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int
     return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
 
 
-def _retire_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, *per_row):
+def _retire_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, proposal: Proposal | None,
+                 source_states: torch.Tensor | None) -> tuple[Proposal | None, torch.Tensor | None]:
     """Drops finished rows from the batch, the caches and the proposer's deferred work once that brings the batch
-    down to a smaller `padded_batch_size` (`RaggedBatch.rows_to_keep`); returns `per_row` tensors (None stays None)
-    for the rows kept."""
+    down to a smaller `padded_batch_size` (`RaggedBatch.rows_to_keep`); returns the proposal and the source states
+    `[B, d]` (None stays None) for the rows kept."""
     keep = batch.rows_to_keep()
     if keep is None:
-        return per_row
+        return proposal, source_states
     batch.select_rows(keep)
     proposer.select_rows(keep)
     for cache in caches:
         cache.batch_select_indices(keep)
-    return tuple(None if tensor is None else tensor[keep] for tensor in per_row)
+    return (None if proposal is None else proposal.select_rows(keep),
+            None if source_states is None else source_states[keep])
 
 
 def _maybe_compact(batch: RaggedBatch, caches: list[PreallocatedCache], proposer: Proposer, hole_fraction: float,
@@ -522,19 +552,20 @@ def _decode(
     first = _select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
     batch.finished = commit(batch, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
-    draft_logits, sources, drafting = _propose(plan, proposer, patches, batch, output, position_ids, source_index)
+    proposal = _propose(plan, proposer, patches, batch, output, position_ids, source_index)
     source_states = _source_states(output, source_index) if companion is not None else None
-    draft_logits, sources, source_states = _retire_rows(batch, caches, proposer, draft_logits, sources, source_states)
+    proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
 
     while batch.size > 0:
         _observe(clock, plan, stats, profile)
-        stats.drafting_steps += bool(drafting)
-        proposed = drafting is not None  # False: a plain step by the schedule's word (nothing proposed)
+        proposed = proposal is not None  # False: a plain step by the schedule's word (nothing proposed)
+        stats.drafting_steps += proposed and proposal.drafted
         last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
-        draft_ids, draft_probs, num_drafts, predicted = _plan_step(
-            batch, processor, draft_logits, sources, do_sample, plan, estimator, companion, source_states,
-            last_committed, bool(drafting),
+        draft_ids, sources, draft_probs, num_drafts, predicted = _plan_step(
+            batch, processor, proposal, do_sample, plan, estimator, companion, source_states, last_committed
         )
+        if proposed and proposal.ids is not None:
+            stats.record_lookups(sources == LOOKUP, input_ids.shape[0])
         width = int(num_drafts.max())  # drafts fed per row this step
         plan.stepped(proposed)
         draft_ids = draft_ids[:, :width]
@@ -551,8 +582,8 @@ def _decode(
         target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
         if do_sample:
             target_probs = target_scores.softmax(-1)
-            verified_probs = target_probs[:, :0] if draft_probs is None else draft_probs[:, :width]
-            tokens, num_accepted = verify_sampling(draft_ids, verified_probs, target_probs, num_drafts)
+            draft_distributions = _draft_distributions(draft_ids, sources, draft_probs, target_probs.shape[-1])
+            tokens, num_accepted = verify_sampling(draft_ids, draft_distributions, target_probs, num_drafts)
         else:
             tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts)
         if estimator is not None and predicted is not None:
@@ -563,12 +594,12 @@ def _decode(
         batch.finished = commit(batch, tokens, num_accepted + 1)
         step_size = batch.size
         clock.mark()
-        draft_logits, sources, drafting = _propose(plan, proposer, patches, batch, output, position_ids, num_accepted)
+        proposal = _propose(plan, proposer, patches, batch, output, position_ids, num_accepted)
         source_states = _source_states(output, num_accepted) if companion is not None else None
-        draft_logits, sources, source_states = _retire_rows(batch, caches, proposer, draft_logits, sources, source_states)
+        proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
         _maybe_compact(batch, caches, proposer, compaction_hole_fraction, k + 1)
         counts = torch.stack([num_drafts.sum(), num_accepted.sum(), live.sum()])
-        clock.lap(("step", step_size, width, counts, proposed, drafting))
+        clock.lap(("step", step_size, width, counts, proposed, None if proposal is None else proposal.drafted))
 
     _observe(clock, plan, stats, profile)
     stats.handoffs = plan.handoff.handoffs if isinstance(plan, GoodputSchedule) else 0
@@ -581,17 +612,16 @@ def _decode(
     return sequences
 
 
-def _propose(plan, proposer: Proposer, patches, batch: RaggedBatch, output, position_ids, source_index):
-    """The proposer's work after a target forward, as the schedule wants it for the next step -> draft logits
-    `[B, k, V]` (or None), their sources `[B, k]` (or None) and `drafting`: True when the proposer's network drafted,
-    False when it deferred (free drafts such as lookup only), None when the next step is plain (nothing proposed)."""
+def _propose(plan, proposer: Proposer, patches, batch: RaggedBatch, output, position_ids,
+             source_index) -> Proposal | None:
+    """The proposer's work after a target forward, as the schedule wants it for the next step: its proposal (the
+    network drafting or not, `should_draft`), or None when the next step is plain (nothing proposed, `skip`)."""
     if plan.plain_step_due():
         proposer.skip(batch, output.hidden_states, position_ids, source_index)
-        return None, None, None
+        return None
     drafting = plan.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
     with patches if drafting else contextlib.nullcontext():
-        draft_logits = proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
-    return draft_logits, proposer.sources, drafting
+        return proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
 
 
 def _observe(clock: StepClock, plan, stats: SpecStats, profile: StepCostModel | None) -> None:

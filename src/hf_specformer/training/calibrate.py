@@ -37,7 +37,7 @@ from transformers import AutoModel
 from hf_specformer.generation.acceptance import (
     DRAFTER,
     AcceptanceTable,
-    confidence_features,
+    draft_confidence,
     sv_features,
 )
 from hf_specformer.targets import DEFAULT_TARGET, load_target
@@ -75,7 +75,7 @@ def draft_records(target, drafter, companion, dataset, num_draft_tokens: int, ma
         truth = tokens_after(ids, positions, 2, k)  # [P, k]: what drafts 1..k should be
         match = (drafts == truth) & (truth >= 0)
         previous = torch.cat([torch.ones_like(match[:, :1]), match[:, :-1]], dim=1).cumprod(1).bool()
-        columns["confidence"].append(confidence_features(probs, drafts)[..., 0].cpu())
+        columns["confidence"].append(draft_confidence(probs, drafts).cpu())
         columns["margin"].append((top2[..., 0] - top2[..., 1]).clamp(max=MARGIN_CAP).nan_to_num(MARGIN_CAP).cpu())
         if companion is not None:
             chain = torch.cat([ids[positions + 1][:, None], drafts[:, :-1]], dim=1)
@@ -204,7 +204,7 @@ def estimator_costs(target, companion, num_draft_tokens: int, repeats: int = 10)
     probs = logits.softmax(-1)
     drafts = probs.argmax(-1)
     work = {
-        "confidence_table": lambda: confidence_features(probs, drafts),
+        "confidence_table": lambda: draft_confidence(probs, drafts),
         "margin_logistic": lambda: logits.topk(2, dim=-1),
     }
     if companion is not None:
