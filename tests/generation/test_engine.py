@@ -412,10 +412,13 @@ def test_padded_batch_size():
 def test_rows_to_keep_keeps_finished_rows_as_padding_up_to_the_padded_size():
     batch = RaggedBatch.start(torch.ones(8, 2, dtype=torch.long), None, capacity=4, pad_token_id=PAD)
     batch.finished = torch.tensor([0, 1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)  # 6 live: stays at 8
+    batch.refresh(torch.Tensor.cpu)
     assert batch.rows_to_keep() is None
     batch.finished = torch.tensor([0, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)  # 3 live: 4 rows, the first finished
+    batch.refresh(torch.Tensor.cpu)
     assert batch.rows_to_keep().tolist() == [0, 1, 3, 6]
     batch.finished = torch.ones(8, dtype=torch.bool)
+    batch.refresh(torch.Tensor.cpu)
     assert batch.rows_to_keep().tolist() == []
 
 

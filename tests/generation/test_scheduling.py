@@ -59,7 +59,7 @@ def test_goodput_width_is_the_exact_optimum(seed):
     per_draft = torch.rand(16, 4, generator=generator) ** (seed + 0.5)
     cumulative = per_draft.cumprod(1)
     costs = linear_costs()
-    chosen = GoodputSchedule(costs, 4, packed=False, feedback=False).choose(None, None, cumulative)
+    chosen = GoodputSchedule(costs, 4, packed=False, feedback=False).choose(cumulative)
     assert int(chosen.max()) == brute_force_width(cumulative, costs)
     assert (chosen == chosen.max()).all()  # every row verifies up to the chosen width: it is paid for
 
@@ -67,8 +67,8 @@ def test_goodput_width_is_the_exact_optimum(seed):
 @pytest.mark.parametrize("packed", [False, True])
 def test_goodput_chooses_a_plain_step_when_drafts_do_not_pay_and_full_width_when_they_do(packed):
     schedule = GoodputSchedule(linear_costs(), 4, packed=packed, feedback=False)
-    assert schedule.choose(None, None, torch.full((8, 4), 0.1).cumprod(1)).tolist() == [0] * 8
-    assert schedule.choose(None, None, torch.full((8, 4), 0.97).cumprod(1)).tolist() == [4] * 8
+    assert schedule.choose(torch.full((8, 4), 0.1).cumprod(1)).tolist() == [0] * 8
+    assert schedule.choose(torch.full((8, 4), 0.97).cumprod(1)).tolist() == [4] * 8
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -76,7 +76,7 @@ def test_rows_without_drafts_verify_none(packed):
     confident = [0.99, 0.98, 0.97]
     cumulative = torch.tensor([confident] * 4 + [[0.0, 0.0, 0.0], [0.99, 0.0, 0.0]])  # row 4: no draft at all
     schedule = GoodputSchedule(linear_costs(max_width=3), 3, packed=packed, feedback=False)
-    assert schedule.choose(None, None, cumulative).tolist() == [3, 3, 3, 3, 0, 1]
+    assert schedule.choose(cumulative).tolist() == [3, 3, 3, 3, 0, 1]
 
 
 def brute_force_packed(cumulative: torch.Tensor, schedule: GoodputSchedule) -> float:
@@ -97,7 +97,7 @@ def test_packed_goodput_is_the_best_choice_of_row_prefixes(seed):
     generator = torch.Generator().manual_seed(seed)
     cumulative = (torch.rand(4, 3, generator=generator) ** 0.3).cumprod(1)
     schedule = GoodputSchedule(linear_costs(slope=0.3 + 0.1 * seed, max_width=3), 3, feedback=False)
-    counts = schedule.choose(None, None, cumulative)
+    counts = schedule.choose(cumulative)
     gain = sum(float(cumulative[b, :n].sum()) for b, n in enumerate(counts.tolist()))
     rate = (4 + gain) / float(schedule.packed_step_seconds(4, torch.tensor(4.0 + float(counts.sum()))))
     assert rate == pytest.approx(brute_force_packed(cumulative, schedule))
@@ -106,7 +106,7 @@ def test_packed_goodput_is_the_best_choice_of_row_prefixes(seed):
 def test_packed_goodput_verifies_only_the_likely_drafts_of_each_row():
     cumulative = torch.tensor([[0.9, 0.8, 0.7], [0.2, 0.1, 0.05], [0.95, 0.1, 0.05], [0.0, 0.0, 0.0]])
     schedule = GoodputSchedule(linear_costs(max_width=3), 3, feedback=False)
-    assert schedule.choose(None, None, cumulative).tolist() == [3, 0, 1, 0]
+    assert schedule.choose(cumulative).tolist() == [3, 0, 1, 0]
 
 
 def test_packed_step_cost_interpolates_between_widths_and_ignores_noise():
@@ -120,13 +120,13 @@ def test_packed_step_cost_interpolates_between_widths_and_ignores_noise():
 def test_should_draft_stops_when_drafting_does_not_pay_and_probes():
     schedule = GoodputSchedule(linear_costs(), 4, probe_interval=3, feedback=False)
     assert schedule.should_draft(8)  # nothing known yet: draft
-    schedule.choose(None, None, torch.full((8, 4), 0.05).cumprod(1))
+    schedule.choose(torch.full((8, 4), 0.05).cumprod(1))
     decisions = [schedule.should_draft(8) for _ in range(8)]
     assert decisions == [False, False, False, True, False, False, False, True]
     for _ in range(6):  # the running mean follows the drafts back up
-        schedule.choose(None, None, torch.full((8, 4), 0.99).cumprod(1))
+        schedule.choose(torch.full((8, 4), 0.99).cumprod(1))
     assert schedule.should_draft(8)
-    schedule.choose(None, None, torch.full((8, 4), 0.01).cumprod(1), drafted=False)  # lookup-only: not remembered
+    schedule.choose(torch.full((8, 4), 0.01).cumprod(1), drafted=False)  # lookup-only: not remembered
     assert schedule.should_draft(8)
 
 

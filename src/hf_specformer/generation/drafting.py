@@ -229,7 +229,7 @@ def lookup_drafts(
     Returns drafts `[B, k]` and found `[B, k]` (False for rows without a match and past the committed prefix).
     """
     prefix = batch.prefix_lengths()  # [B]
-    width = int(prefix.max())
+    width = min(batch.max_prefix, batch.tokens.shape[1])  # no host read: longer than every prefix
     tokens = batch.tokens[batch.row_ids, :width]  # [B, W]; beyond a row's prefix: scratch, never matched
     continuation = torch.full_like(prefix, -1)  # [B] first column after the matched occurrence
     for size in range(max_ngram_size, min_ngram_size - 1, -1):

@@ -39,6 +39,7 @@ from .batch import RaggedBatch
 from .caching import PreallocatedCache
 from .drafting import Proposal, Proposer
 from .feedback import StepClock
+from .host import HostReads
 from .packing import PackedLinears
 from .processing import RaggedLogitsProcessor
 from .products import FewRowLinears
@@ -306,30 +307,33 @@ def _source_states(output, index: torch.LongTensor) -> torch.Tensor:
     return last[torch.arange(last.shape[0], device=last.device), index]
 
 
-def _plan_step(batch, processor, proposal, do_sample, plan, estimator, companion, source_states, last_committed):
-    """This step's drafts and how many of them each row verifies.
+def _plan_step(batch, processor, proposal, do_sample, plan, estimator, companion, source_states, last_committed,
+               reads: HostReads):
+    """This step's drafts and how many of them each row verifies, chosen on the host after one read (`reads`) of
+    the estimates (none without drafts, or for a fixed schedule without a threshold).
 
     Returns draft ids `[B, k]` (`[B, 0]` without drafts), their sources `[B, k]`, the processed probabilities of the
     network's drafts `[B, k, V]` (None when it did not draft, or when neither sampling nor the schedule reads them),
-    drafts verified per row `[B]` and the estimated chance that drafts 1..j are all accepted `[B, k]` (None without
-    an estimator)."""
+    drafts verified per row `[B]` on the host (finished rows' counts are masked on the device) and the estimated
+    chance that drafts 1..j are all accepted `[B, k]` (None without an estimator)."""
     if proposal is None or proposal.empty:  # nothing proposed: a plain decoding step
-        none = torch.zeros(batch.size, dtype=torch.long, device=last_committed.device)
-        return none[:, None][:, :0], none[:, None][:, :0], None, none, None
+        none = torch.zeros(batch.size, 0, dtype=torch.long, device=last_committed.device)
+        return none, none, None, torch.zeros(batch.size, dtype=torch.long), None
     needs_probs = do_sample or estimator is not None or plan.needs_confidence
     draft_ids, sources, draft_probs = _draft(batch, processor, proposal, do_sample, needs_probs)
     if estimator is None:
-        confidence = draft_features("confidence", draft_probs, draft_ids, sources, sampled=do_sample)[..., 0] \
-            if plan.needs_confidence else None
-        num_drafts, predicted = plan.choose(draft_ids, confidence), None
-    else:
-        companion_probs = (
-            _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
-        )
-        predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample)
-        predicted = predicted.masked_fill(batch.finished[:, None], 0.0)  # the scheduler spends nothing on padding
-        num_drafts = plan.choose(draft_ids, None, predicted, proposal.drafted)
-    return draft_ids, sources, draft_probs, num_drafts.masked_fill(batch.finished, 0), predicted
+        if plan.needs_confidence:
+            confidence = draft_features("confidence", draft_probs, draft_ids, sources, sampled=do_sample)[..., 0]
+            scores = reads(confidence.masked_fill(batch.finished[:, None], 0.0))
+        else:  # every row verifies k: nothing to read
+            scores = torch.ones(draft_ids.shape)
+        return draft_ids, sources, draft_probs, plan.choose(scores, proposal.drafted), None
+    companion_probs = (
+        _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
+    )
+    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample)
+    predicted = predicted.masked_fill(batch.finished[:, None], 0.0)  # the scheduler spends nothing on padding
+    return draft_ids, sources, draft_probs, plan.choose(reads(predicted), proposal.drafted), predicted
 
 
 def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
@@ -539,6 +543,7 @@ def _decode(
     caches = _caches(cache, proposer)
     packed_linears = PackedLinears(model)
     clock = StepClock(input_ids.device)
+    reads = HostReads()
     if speculative_streamer is not None:
         speculative_streamer.put(input_ids.cpu())
 
@@ -554,6 +559,7 @@ def _decode(
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
     proposal = _propose(plan, proposer, patches, batch, output, position_ids, source_index)
     source_states = _source_states(output, source_index) if companion is not None else None
+    batch.refresh(reads)
     proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
 
     while batch.size > 0:
@@ -561,18 +567,19 @@ def _decode(
         proposed = proposal is not None  # False: a plain step by the schedule's word (nothing proposed)
         stats.drafting_steps += proposed and proposal.drafted
         last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
-        draft_ids, sources, draft_probs, num_drafts, predicted = _plan_step(
-            batch, processor, proposal, do_sample, plan, estimator, companion, source_states, last_committed
+        draft_ids, sources, draft_probs, counts, predicted = _plan_step(
+            batch, processor, proposal, do_sample, plan, estimator, companion, source_states, last_committed, reads
         )
         if proposed and proposal.ids is not None:
             stats.record_lookups(sources == LOOKUP, input_ids.shape[0])
-        width = int(num_drafts.max())  # drafts fed per row this step
+        width = max(counts.tolist())  # drafts fed per row this step (counts are on the host)
+        num_drafts = counts.to(last_committed.device, non_blocking=True).masked_fill(batch.finished, 0)
         plan.stepped(proposed)
         draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
         attention_mask, position_ids = batch.step_inputs(width + 1)
         if width:
-            verified = torch.arange(width + 1, device=step_ids.device) <= num_drafts[:, None]  # [B, width + 1]
+            verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
             with patches, packed_linears.select(verified, packed_verification):
                 output = target_forward(
                     model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
@@ -596,13 +603,14 @@ def _decode(
         clock.mark()
         proposal = _propose(plan, proposer, patches, batch, output, position_ids, num_accepted)
         source_states = _source_states(output, num_accepted) if companion is not None else None
+        step_counts = batch.refresh(reads, num_drafts.sum(), num_accepted.sum(), live.sum())
         proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
         _maybe_compact(batch, caches, proposer, compaction_hole_fraction, k + 1)
-        counts = torch.stack([num_drafts.sum(), num_accepted.sum(), live.sum()])
-        clock.lap(("step", step_size, width, counts, proposed, None if proposal is None else proposal.drafted))
+        clock.lap(("step", step_size, width, step_counts, proposed, None if proposal is None else proposal.drafted))
 
     _observe(clock, plan, stats, profile)
     stats.handoffs = plan.handoff.handoffs if isinstance(plan, GoodputSchedule) else 0
+    stats.host_reads = reads.count
     stats.finish()
     if speculative_streamer is not None:
         speculative_streamer.end()

@@ -52,11 +52,12 @@ class PackedLinears:
     @contextlib.contextmanager
     def select(self, selected: torch.BoolTensor, packed: bool = True):
         """Inside the block, linear inputs shaped `[*selected.shape, d_in]` are computed at the True positions only
-        (the others give zeros); nothing changes when `packed` is False or every position is selected."""
-        if not packed or bool(selected.all()):
+        (the others give zeros); nothing changes when `packed` is False or every position is selected. `selected`
+        is on the host, so choosing the inputs reads nothing from the device."""
+        if not packed or not self.linears or bool(selected.all()):
             yield
             return
-        index = selected.flatten().nonzero().squeeze(1)
+        index = selected.flatten().nonzero().squeeze(1).to(self.linears[0].weight.device, non_blocking=True)
         own = [linear.__dict__.get("forward") for linear in self.linears]
         try:
             for linear in self.linears:

@@ -158,11 +158,21 @@ class AcceptanceTable:
         centres = (edges[1:] + edges[:-1]) / 2
         return centres.expand(shape).clone()
 
+    def to(self, device: torch.device | str) -> "AcceptanceTable":
+        """Moves the table to `device` (in place; returns it): estimates and counts then stay on the device of the
+        drafts, with no copy to the host."""
+        self.edges = [edges.to(device) for edges in self.edges]
+        for name in ("prior_rate", "prior_trials", "accepted", "trials"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
     def _cells(self, features: torch.Tensor, sources: torch.LongTensor, slots: torch.LongTensor) -> torch.LongTensor:
-        """Flat cell index `[N]`."""
-        index = sources.cpu().clamp(max=NUM_SOURCES - 1) * self.num_slots + slots.cpu().clamp(max=self.num_slots - 1)
+        """Flat cell index `[N]`, on the table's device."""
+        device = self.trials.device
+        index = sources.to(device).clamp(max=NUM_SOURCES - 1) * self.num_slots
+        index = index + slots.to(device).clamp(max=self.num_slots - 1)
         for f, edges in enumerate(self.edges):
-            values = features[:, f].float().cpu().contiguous()
+            values = features[:, f].float().to(device).contiguous()
             index = index * (len(edges) + 1) + torch.bucketize(values, edges, right=True)
         return index
 
@@ -176,12 +186,15 @@ class AcceptanceTable:
         return rate.to(features.device)
 
     def add(
-        self, features: torch.Tensor, sources: torch.LongTensor, slots: torch.LongTensor, accepted: torch.Tensor
+        self, features: torch.Tensor, sources: torch.LongTensor, slots: torch.LongTensor, accepted: torch.Tensor,
+        observed: torch.Tensor | None = None,
     ) -> None:
-        """Counts observed outcomes (`accepted` `[N]` bool or 0/1) of verified drafts."""
+        """Counts outcomes (`accepted` `[N]` bool or 0/1) of verified drafts; with `observed` `[N]` only where it is
+        True (a weight rather than a selection, so no count depends on a host read)."""
         cells = self._cells(features, sources, slots)
-        self.trials.view(-1).index_add_(0, cells, torch.ones_like(cells, dtype=torch.float64))
-        self.accepted.view(-1).index_add_(0, cells, accepted.double().cpu())
+        weight = torch.ones_like(cells, dtype=torch.float64) if observed is None else observed.to(cells.device).double()
+        self.trials.view(-1).index_add_(0, cells, weight)
+        self.accepted.view(-1).index_add_(0, cells, accepted.to(cells.device).double() * weight)
 
     def as_prior(self, max_trials: float = PRIOR_TRIALS) -> "AcceptanceTable":
         """A fresh table whose prior is this table's counts (smoothed toward its old prior), each bin weighing at
@@ -250,10 +263,11 @@ class AcceptanceEstimator:
 
     Args:
         table: the prior table (its online counts start empty); `signal` "sv" needs companion distributions.
+        device: where the drafts are (the table moves there).
     """
 
-    def __init__(self, table: AcceptanceTable):
-        self.table = table.as_prior() if table.trials.sum() > 0 else table
+    def __init__(self, table: AcceptanceTable, device: torch.device | str = "cpu"):
+        self.table = (table.as_prior() if table.trials.sum() > 0 else table).to(device)
         self._pending: tuple[torch.Tensor, torch.LongTensor, torch.LongTensor] | None = None
 
     @property
@@ -281,5 +295,4 @@ class AcceptanceEstimator:
         features, sources, slots = self._pending
         num_slots = features.shape[0] // num_accepted.numel()
         observed, accepted = observed_outcomes(num_accepted, num_drafts, num_slots)
-        observed, accepted = observed.flatten(), accepted.flatten()
-        self.table.add(features[observed], sources[observed], slots[observed], accepted[observed])
+        self.table.add(features, sources, slots, accepted.flatten(), observed.flatten())

@@ -20,6 +20,7 @@ returns what `generate` does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ class RaggedBatch:
         lengths: `[B]` valid cache entries per active row (the position id of the row's next input).
         pad_token_id: what `sequences` puts after each row's end.
         finished: `[B]` rows that have ended and stay only as padding (they verify and commit nothing).
+        num_live, max_length: rows not finished and the largest of `lengths`, as of the last `refresh` (host ints;
+            `max_length` is an upper bound once rows are dropped).
+        max_prefix: an upper bound of the longest committed prefix, kept on the host without reading the device.
     """
 
     tokens: torch.LongTensor
@@ -59,6 +63,9 @@ class RaggedBatch:
     lengths: torch.LongTensor
     pad_token_id: int
     finished: torch.BoolTensor
+    num_live: int = 0
+    max_length: int = 0
+    max_prefix: int = 0
 
     @classmethod
     def start(
@@ -80,6 +87,8 @@ class RaggedBatch:
             lengths=torch.zeros(batch, dtype=torch.long, device=input_ids.device),
             pad_token_id=pad_token_id,
             finished=torch.zeros(batch, dtype=torch.bool, device=input_ids.device),
+            num_live=batch,
+            max_prefix=width,
         )
 
     @property
@@ -130,6 +139,15 @@ class RaggedBatch:
         """Appends the first `counts[b]` of `tokens[b]` (`[B, n]`) to each active row's generated tokens."""
         self.write(tokens)
         self.num_generated[self.row_ids] += counts
+        self.max_prefix += tokens.shape[1]
+
+    def refresh(self, reads: Callable[[torch.Tensor], torch.Tensor], *extra: torch.Tensor) -> list[int]:
+        """One host read (`reads`, e.g. `host.HostReads`) of the rows still live, the longest row's valid cache
+        entries and the scalar tensors `extra`, returned as ints: what `rows_to_keep`, `removable_fraction` and
+        `compaction_index` use until the next refresh."""
+        values = reads(torch.stack([(~self.finished).sum(), self.lengths.max(), *extra])).tolist()
+        self.num_live, self.max_length = values[0], values[1]
+        return values[2:]
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         """Keeps the active rows at positions `keep` (`[B']`, indices into the active rows)."""
@@ -140,26 +158,27 @@ class RaggedBatch:
 
     def rows_to_keep(self) -> torch.LongTensor | None:
         """`[B']` the rows to keep (every unfinished row, and finished ones up to `padded_batch_size`), or None when
-        the batch keeps its size. One host synchronisation."""
-        num_live = int((~self.finished).sum())
+        the batch keeps its size (`num_live` as of the last `refresh`)."""
+        num_live = self.num_live
         size = padded_batch_size(num_live)
         if size >= self.size:
             return None
         padding_rank = self.finished.long().cumsum(0)  # 1.. over finished rows
-        return (~self.finished | (padding_rank <= size - num_live)).nonzero().squeeze(1)
+        kept = ~self.finished | (padding_rank <= size - num_live)  # exactly `size` rows: no host read to find them
+        return kept.long().argsort(descending=True, stable=True)[:size]  # stable: in row order
 
     def removable_fraction(self) -> float:
         """Share of cache columns that compaction would remove: those beyond the longest active row's valid entries.
         (Holes of shorter rows stay: a cache is rectangular, so rows of very different lengths keep padding however
         often it is compacted; counting those would compact, i.e. copy the whole cache, on every step.)"""
-        return 1.0 - self.lengths.max().item() / max(self.attention_mask.shape[1], 1)
+        return 1.0 - self.max_length / max(self.attention_mask.shape[1], 1)
 
     def compaction_index(self) -> torch.LongTensor:
         """`[B, L]` cache columns to gather so each row's valid entries are right-aligned in L = max length columns.
 
         Rows shorter than L are filled on the left with one of their own padding/hole columns (masked anyway).
         """
-        width = int(self.lengths.max())
+        width = self.max_length
         order = torch.argsort(self.attention_mask, dim=1, stable=True)  # holes first, valid entries in order last
         return order[:, -width:]
 

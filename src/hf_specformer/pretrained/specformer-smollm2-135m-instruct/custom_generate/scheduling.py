@@ -305,12 +305,11 @@ class FixedSchedule:
         """Whether `choose` reads the drafts' probabilities (only with a threshold)."""
         return self.threshold > 0
 
-    def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative=None,
-               drafted: bool = True) -> torch.LongTensor:
-        """draft_ids `[B, k]`, confidence `[B, k]` (q_j(d_j); needed with a threshold) -> drafts each row verifies
-        `[B]`."""
+    def choose(self, confidence: torch.Tensor, drafted: bool = True) -> torch.LongTensor:
+        """confidence `[B, k]` on the host (q_j(d_j); read only with a threshold, else only its shape) -> drafts each
+        row verifies `[B]`, on the host."""
         if self.threshold <= 0:
-            return torch.full(draft_ids.shape[:1], draft_ids.shape[1], dtype=torch.long, device=draft_ids.device)
+            return torch.full(confidence.shape[:1], confidence.shape[1], dtype=torch.long)
         return num_drafts_to_verify(confidence, self.threshold)
 
     def should_draft(self, batch_size: int) -> bool:
@@ -391,14 +390,14 @@ class GoodputSchedule:
             return False
         return self.handoff.active or self.steps_since_plain is None or self.steps_since_plain >= PLAIN_REFRESH_STEPS
 
-    def choose(self, draft_ids: torch.LongTensor, confidence: torch.Tensor | None, cumulative: torch.Tensor,
-               drafted: bool = True) -> torch.LongTensor:
-        """cumulative `[B, k]` (q_{b,j}, 0 where a row has no draft) -> drafts each row verifies `[B]` (0..k).
-        Steps whose drafts came from the drafter (`drafted`) update the running mean E_w that `should_draft`
-        reads; lookup-only steps do not (they say nothing of what drafting would bring). A due plain step verifies
-        nothing; while the costs of verifying are unknown, every draft is verified (the step measures them)."""
-        batch_size, device = cumulative.shape[0], cumulative.device
-        cumulative = cumulative.double().cpu()
+    def choose(self, cumulative: torch.Tensor, drafted: bool = True) -> torch.LongTensor:
+        """cumulative `[B, k]` on the host (q_{b,j}, 0 where a row has no draft) -> drafts each row verifies `[B]`
+        (0..k), on the host. Steps whose drafts came from the drafter (`drafted`) update the running mean E_w that
+        `should_draft` reads; lookup-only steps do not (they say nothing of what drafting would bring). A due plain
+        step verifies nothing; while the costs of verifying are unknown, every draft is verified (the step measures
+        them)."""
+        batch_size = cumulative.shape[0]
+        cumulative = cumulative.double()
         if drafted:
             per_row = torch.cat([cumulative.new_zeros(batch_size, 1), cumulative.cumsum(1)], dim=1)
             self._remember(per_row.mean(0))
@@ -412,7 +411,7 @@ class GoodputSchedule:
         if self.feedback and counts.any():
             verified = torch.arange(cumulative.shape[1])[None, :] < counts[:, None]
             self.predictions.append(float((cumulative * verified).sum()))
-        return counts.to(device)
+        return counts
 
     def stepped(self, proposed: bool) -> None:
         """The engine ran a step; `proposed`: with proposals (False: a plain step, which times t_plain)."""
@@ -490,7 +489,7 @@ class GoodputSchedule:
         if not self.feedback:
             return
         for (_, batch_size, width, counts, proposed, drafting), (verify_seconds, draft_seconds) in steps:
-            drafts, accepted, num_live = (int(count) for count in counts.tolist())
+            drafts, accepted, num_live = counts
             if width:
                 self.costs.observe_verify(batch_size, batch_size + drafts, verify_seconds)
                 self.acceptance.observe(accepted, self.predictions.popleft())

@@ -38,6 +38,7 @@ class SpecStats:
         predicted_seconds_by_width: `[k + 1]` what the step-cost profile predicted for the same steps (0 without
             one), so that a gap between the loop and the profile stays visible.
         handoffs: times the goodput scheduler's guard handed the call over to plain steps (`feedback.py`).
+        host_reads: device-to-host reads the loop made (`host.py`: at most two per step).
     """
 
     num_draft_tokens: int
@@ -55,6 +56,7 @@ class SpecStats:
     seconds_by_width: list[float] = field(default_factory=list)
     predicted_seconds_by_width: list[float] = field(default_factory=list)
     handoffs: int = 0
+    host_reads: int = 0
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
     _totals: torch.Tensor | None = None  # on the device: drafted, accepted, predicted, looked up, accepted_at,
@@ -195,4 +197,5 @@ class SpecStats:
             "seconds_per_step_by_width": self.seconds_per_step_by_width,
             "predicted_seconds_per_step_by_width": self.predicted_seconds_per_step_by_width,
             "handoffs": self.handoffs,
+            "host_reads": self.host_reads,
         }
