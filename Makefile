@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench shipped-code clean
+.PHONY: setup demo test bench fix-copies clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,9 @@ test: setup
 bench: setup
 	$(BIN)/hf-specformer bench --oracle --untrained --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output bench/smollm2_cpu
 
-# After changing models/ or generation/: rewrite the remote code of the Hub folders shipped in the package.
-shipped-code: setup
-	$(BIN)/python -c "import sys; from hf_specformer.hub.export import refresh_code; [refresh_code(p) for p in sys.argv[1:]]" src/hf_specformer/pretrained/*/
+# After changing models/, generation/ or a shipped card: rewrite every copy from its source (`hub/copies.py`).
+fix-copies: setup
+	$(BIN)/python -c "from hf_specformer.hub.copies import fix_copies; print(*fix_copies('.'), sep='\n')"
 
 clean:
 	rm -rf $(VENV)

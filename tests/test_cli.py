@@ -111,21 +111,6 @@ def test_export_sets_the_default_number_of_drafts(tmp_path):
         cli.main(export + ["--num-speculative-tokens", "5"])
 
 
-def test_shipped_drafter_folder_carries_the_current_code():
-    """The shipped Hub folder's remote code is the package's own (re-export it after changing either)."""
-    from pathlib import Path
-
-    from hf_specformer.assistants import shipped_drafter_dir
-    from hf_specformer.hub.export import generation_sources
-
-    folder = shipped_drafter_dir()
-    package = Path(__file__).resolve().parents[1] / "src" / "hf_specformer"
-    for source in generation_sources():
-        assert (folder / "custom_generate" / source.name).read_text() == source.read_text(), source.name
-    for name in ("configuration_specformer.py", "modeling_specformer.py"):
-        assert (folder / name).read_text() == (package / "models" / "specformer" / name).read_text(), name
-
-
 def test_export_companion_writes_a_loadable_folder_with_a_card_of_its_measurements(tmp_path):
     from conftest import make_companion
     from transformers import AutoModel

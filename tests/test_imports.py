@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "hf_specformer"
 ALLOWED = {
-    "models": {"models", "kernels", "hub"},  # both optional (try/except ImportError), for remote code
+    "models": {"models", "kernels"},  # kernels optional (try/except ImportError), for remote code
     "generation": {"generation", "kernels"},
     "kernels": {"kernels"},
     "hub": {"hub", "models", "generation"},
@@ -59,7 +59,7 @@ def test_hub_bundled_files_import_only_torch_transformers_and_siblings(folder):
                 assert node.level == 1, f"{path.name}: only `from .sibling import` is allowed ({node.module})"
         internal, external = internal_imports(path)
         assert external <= BUNDLED_EXTERNAL, f"{path.name} imports {external - BUNDLED_EXTERNAL}"
-        assert internal - {"kernels", "hub"} <= {path.parent.name, *path.relative_to(PACKAGE).parts[:1]}
+        assert internal - {"kernels"} <= {path.parent.name, *path.relative_to(PACKAGE).parts[:1]}
         assert optional_package_imports(tree) == package_imports(tree), \
             f"{path.name}: hf_specformer may only be imported inside `try: ... except ImportError`"
 

@@ -9,6 +9,7 @@ from .generation import (
     SpecStats,
     generate,
 )
+from .hub.export import complete_hub_folder
 from .models import (
     CompanionConfig,
     CompanionForVerification,
@@ -16,6 +17,10 @@ from .models import (
     SpecFormerForDrafting,
     SpecFormerOutput,
 )
+
+# With the package installed, saving a model writes a complete Hub folder (the models do not import `hub`).
+SpecFormerForDrafting.save_hooks.append(complete_hub_folder)
+CompanionForVerification.save_hooks.append(complete_hub_folder)
 
 __version__ = "0.1.0"
 

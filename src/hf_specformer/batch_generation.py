@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .generation import generate
-from .generation.generate import LOOKUP_NGRAM_SIZE
+from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .prompts import chat_prompt_ids
 from .records import (
     append_records,

@@ -21,9 +21,11 @@ Speculative Verification's (S, A) from the companion). `goodput` runs as `genera
 costs cached on this machine, if any, else learnt from its own steps (the first call at a batch size pays for that,
 as a user's would). `costs-x0.5`, `costs-x2` and `plain-x2` give the goodput scheduler a profile measured before
 any timing (`measure_step_costs`) and deliberately made wrong: every cost halved, doubled, or only the plain step's
-doubled (so the engine looks better than it is everywhere); the online feedback must recover. Rows report the
-drafts verified per step, the mean width chosen and the share of inputs fed that were padding (computed as zeros by
-packed steps).
+doubled (so the engine looks better than it is everywhere); the online feedback must recover. `fixed` gets the
+same profile unscaled, which it does not choose by, so its rows compare each step's measured seconds with the
+profile's (`predicted_seconds_per_step_by_width`). Rows report the drafts verified per step, the mean width chosen,
+the share of inputs fed that were padding (computed as zeros by packed steps), seconds per step by width beside
+plain `generate`'s seconds per decoding step, and host reads per step.
 
 Every row that differs from plain decoding is classified (`ties.py`): a tie where the target's two candidates are
 within rounding of each other in the dtype it runs in (expected in bfloat16/float16), or a true bug. Rows report
@@ -48,10 +50,12 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, DynamicCache
 
 from .generation import OracleProposer, SpecFormerProposer, generate
-from .generation.engine import cpu_patches, measure_step_costs, target_forward
-from .generation.generate import LOOKUP_NGRAM_SIZE
+from .generation.costs import profile_batch_sizes
+from .generation.forwards import cpu_patches, target_forward
 from .generation.products import FewRowLinears
-from .generation.scheduling import CONFIDENCE_THRESHOLD, profile_batch_sizes
+from .generation.profiling import measure_step_costs
+from .generation.scheduling import CONFIDENCE_THRESHOLD
+from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .prompts import find_shared_data, load_prompts
@@ -226,14 +230,23 @@ class _ModeTally:
         """Means over batches of what the schedule chose and how well it predicted."""
         width_counts = [sum(column) for column in zip(*(s["width_counts"] for s in self.stats))]
         drafted, padding = sum(s["drafted"] for s in self.stats), sum(s["padding"] for s in self.stats)
+        steps = max(sum(s["steps"] for s in self.stats), 1)
+
+        def per_step(key: str) -> list[float]:
+            totals = [sum(s[key][w] * s["width_counts"][w] for s in self.stats) for w in range(len(width_counts))]
+            return [total / max(count, 1) for total, count in zip(totals, width_counts)]
+
         return {
             "width_counts": width_counts,
+            "seconds_per_step_by_width": per_step("seconds_per_step_by_width"),
+            "predicted_seconds_per_step_by_width": per_step("predicted_seconds_per_step_by_width"),
+            "handoffs": sum(s["handoffs"] for s in self.stats),
+            "host_reads_per_step": sum(s["host_reads"] for s in self.stats) / steps,
             "mean_width": sum(w * n for w, n in enumerate(width_counts)) / max(sum(width_counts), 1),
             "predicted_acceptance_rate": sum(s["predicted_acceptance_rate"] * s["drafted"] for s in self.stats)
             / max(drafted, 1),
             "acceptance_rate": sum(s["accepted"] for s in self.stats) / max(drafted, 1),
-            "drafting_steps_share": sum(s["drafting_steps"] for s in self.stats)
-            / max(sum(s["steps"] for s in self.stats), 1),
+            "drafting_steps_share": sum(s["drafting_steps"] for s in self.stats) / steps,
             "plain_decoding_share": sum(s["plain_decoding"] for s in self.stats) / max(len(self.stats), 1),
             "padding_share": padding / max(padding + drafted + sum(s["row_steps"] for s in self.stats), 1),
             "tie_rows": sum(m["tie"] for m in self.mismatches),
@@ -254,6 +267,8 @@ def _speculative_run(target, tokenizer, batch, reference, run: tuple[str, str], 
     speculation = dict(SCHEDULE_KWARGS[schedule])
     if schedule == "fixed":
         speculation["confidence_threshold"] = config.confidence_threshold
+        if "profile" in drafters:  # choices ignore it; the statistics compare each step with its prediction
+            speculation["step_costs"] = drafters["profile"]
     if schedule == "companion":
         speculation["companion_model"] = drafters["companion"]
     if schedule in WRONG_COSTS:
@@ -274,15 +289,16 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
                for batch in chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)], batch_size)]
     gen_kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**batches[0], **{**gen_kwargs, "max_new_tokens": 4})  # warm-up
-    plain, prefill, few_row_plain, tokens = 0.0, 0.0, 0.0, 0
+    plain, prefill, few_row_plain, tokens, plain_steps = 0.0, 0.0, 0.0, 0, 0
     tallies = {run: _ModeTally() for run in runs(config)}
     references = []
     for round_index in range(config.rounds):
         for index, batch in enumerate(tqdm(batches, desc=f"B={batch_size} round {round_index + 1}", leave=False)):
             def time_plain():
-                nonlocal plain, prefill, tokens
+                nonlocal plain, prefill, tokens, plain_steps
                 reference, seconds = _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)
                 plain += seconds
+                plain_steps += reference.shape[1] - batch["input_ids"].shape[1] - 1  # the prefill made the first
                 prefill += prefill_seconds(target, batch)
                 tokens += count_new_tokens(reference, batch["input_ids"].shape[1], tokenizer.eos_token_id)
                 if round_index == 0:
@@ -313,6 +329,7 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             "mode": mode, "schedule": schedule, "label": run_label(mode, schedule), "batch_size": batch_size,
             "num_batches": len(batches), "rounds": config.rounds, "new_tokens": tokens,
             "plain_seconds": plain, "spec_seconds": tally.seconds, "prefill_seconds": prefill,
+            "plain_seconds_per_step": (plain - prefill) / max(plain_steps, 1),
             "plain_tokens_per_s": tokens / plain, "spec_tokens_per_s": tokens / tally.seconds,
             "speedup": plain / tally.seconds, "decode_speedup": decode_speedup, **limit,
             "efficiency": decode_speedup / limit["limit"],
@@ -330,11 +347,16 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
 
 
 def measure_profile(target, config: BenchConfig, drafters: dict) -> None:
-    """With a `WRONG_COSTS` schedule, measures the step costs up to the largest batch size (before any timing) for
-    those schedules to distort; stored as `drafters["profile"]`."""
-    if not set(config.schedules) & set(WRONG_COSTS):
+    """With a `WRONG_COSTS` or the fixed schedule, measures the step costs up to the largest batch size (before any
+    timing), for those schedules to distort, and for the fixed schedule's steps to be compared with; stored as
+    `drafters["profile"]`."""
+    if not set(config.schedules) & {*WRONG_COSTS, "fixed"}:
         return
-    mode = next(split_mode(mode)[0] for mode in config.modes if split_mode(mode)[0] != "oracle")
+    mode = next((split_mode(mode)[0] for mode in config.modes if split_mode(mode)[0] != "oracle"), None)
+    if mode is None:  # the oracle drafts for free: nothing to profile
+        if set(config.schedules) & set(WRONG_COSTS):
+            raise SystemExit(f"The schedules {sorted(WRONG_COSTS)} need a drafter (--drafter DIR or --untrained).")
+        return
     drafter = drafters[mode]
     if not drafter.is_bound:
         drafter.bind_target(target)

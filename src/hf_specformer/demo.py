@@ -17,7 +17,7 @@ import torch
 
 from .assistants import load_drafter
 from .generation import generate
-from .generation.generate import LOOKUP_NGRAM_SIZE
+from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .prompts import chat_prompt_ids, load_prompts
 from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, synchronize
 from .ties import classify_rows

@@ -6,7 +6,7 @@ import torch
 
 from hf_specformer import OracleProposer, Proposal, generate
 from hf_specformer.generation.acceptance import NUM_SOURCES, PRIOR_TRIALS, SIGNALS, AcceptanceTable
-from hf_specformer.generation.scheduling import StepCostModel
+from hf_specformer.generation.costs import StepCostModel
 
 PAD = 0
 

@@ -11,7 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
 from hf_specformer.generation.batch import RaggedBatch, padded_batch_size
-from hf_specformer.generation.engine import target_forward
+from hf_specformer.generation.forwards import target_forward
 from hf_specformer.generation.products import FewRowLinears
 from hf_specformer.training.target_states import next_token_ids
 

@@ -15,7 +15,7 @@ from hf_specformer.generation.batch import RaggedBatch
 from hf_specformer.generation.caching import PreallocatedCache
 from hf_specformer.generation import feedback, scheduling
 from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_LOSS, HANDOFF_MARGIN, HandOff, OnlineStepCosts
-from hf_specformer.generation.scheduling import STEP_COSTS_ENV, StepCostModel
+from hf_specformer.generation.costs import STEP_COSTS_ENV, StepCostModel
 
 
 def _forward(target, ids, mask, cache, positions):

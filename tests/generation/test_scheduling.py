@@ -11,15 +11,9 @@ from conftest import make_drafter, make_target
 from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
 
 from hf_specformer import SpecFormerProposer, generate
-from hf_specformer.generation.engine import measure_step_costs
-from hf_specformer.generation.scheduling import (
-    GoodputSchedule,
-    StepCostModel,
-    cached_step_costs,
-    num_drafts_to_verify,
-    profile_step_costs,
-    step_costs_path,
-)
+from hf_specformer.generation.costs import StepCostModel, cached_step_costs, profile_step_costs, step_costs_path
+from hf_specformer.generation.profiling import measure_step_costs
+from hf_specformer.generation.scheduling import GoodputSchedule, num_drafts_to_verify
 
 
 def test_longest_prefix_above_threshold_and_at_least_one():

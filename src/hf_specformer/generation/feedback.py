@@ -9,7 +9,7 @@ GPU, never a blocking synchronisation) and `OnlineStepCosts` keeps three costs f
 - a verification step feeding T inputs in all (B rows, T > B): t_verify(B, T);
 - drafting for B rows (the drafter's slot stage, and its context stage over the steps it deferred): t_draft(B).
 
-Each is the profile's value (`scheduling.StepCostModel`, where one is cached) times a running ratio of measured to
+Each is the profile's value (`costs.StepCostModel`, where one is cached) times a running ratio of measured to
 predicted seconds, or, with no profile, a line a + b x fitted to the timings: x = B for plain steps and drafting; for
 verification, the seconds beyond a plain step of the same rows against x = T - B, the inputs beyond one per row (so
 one timed step already prices every width, and a narrow step is never taken for free). A call without a profile

@@ -17,7 +17,6 @@ which transformers requires) and each other, so
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
 
-from .. import generation, models
+from .. import generation
 from . import cards
 
 CUSTOM_GENERATE_DIR = "custom_generate"
@@ -89,19 +88,6 @@ def push_folder(folder: str | os.PathLike, repo_id: str, api: HfApi | None = Non
     api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
     return api.create_commit(repo_id, operations=commit_operations(folder), commit_message=commit_message,
                              repo_type="model")
-
-
-def refresh_code(folder: str | os.PathLike) -> None:
-    """Rewrites the remote code of an exported folder from the package (a drafter's model files and
-    `custom_generate/`, or a companion's model files), keeping its weights, config and card. `make shipped-code`
-    runs it on the folders shipped in the package."""
-    folder = Path(folder)
-    model_type = json.loads((folder / "config.json").read_text())["model_type"]
-    package = Path(models.__file__).parent / {"specformer": "specformer", "sv_companion": "companion"}[model_type]
-    for source in [*package.glob("configuration_*.py"), *package.glob("modeling_*.py")]:
-        shutil.copyfile(source, folder / source.name)
-    if (folder / CUSTOM_GENERATE_DIR).is_dir():
-        write_custom_generate(folder)
 
 
 def export_drafter(

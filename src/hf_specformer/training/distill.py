@@ -27,7 +27,7 @@ from hf_specformer.batch_generation import (
     generate_dataset,
     process_state,
 )
-from hf_specformer.generation.generate import LOOKUP_NGRAM_SIZE
+from hf_specformer.generation.speculation import LOOKUP_NGRAM_SIZE
 from hf_specformer.prompts import load_prompts
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,10 @@ to us, since its companion is just another LM):
 This file is shipped to the Hub as remote code: it imports only torch, transformers and its sibling config.
 """
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -99,18 +101,15 @@ class CompanionPreTrainedModel(PreTrainedModel):
     base_model_prefix = "companion"
     _no_split_modules = ["CompanionChainBlock"]
 
-    # Copied from modeling_specformer.SpecFormerPreTrainedModel.save_pretrained (each Hub folder's code stands alone)
+    save_hooks: ClassVar[list[Callable[[PreTrainedModel, str | os.PathLike], None]]] = []
+    """As `SpecFormerPreTrainedModel.save_hooks`."""
+
+    # Copied from modeling_specformer.SpecFormerPreTrainedModel.save_pretrained
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained` (also what `push_to_hub` uploads), completed into a Hub folder where the
-        hf_specformer package is installed (`hub.export.complete_hub_folder`: a drafter's `custom_generate/`, a
-        model card where there is none); remote code without the package writes weights, config and code only."""
         super().save_pretrained(save_directory, *args, **kwargs)
-        try:
-            import hf_specformer.hub.export as hub_export
-        except ImportError:
-            return
         if kwargs.get("is_main_process", True):
-            hub_export.complete_hub_folder(self, save_directory)
+            for hook in self.save_hooks:
+                hook(self, save_directory)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -32,8 +32,10 @@ Choices where the paper is silent (documented here once):
 This file is shipped to the Hub as remote code: it imports only torch, transformers and its sibling config.
 """
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -315,17 +317,16 @@ class SpecFormerPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
 
+    save_hooks: ClassVar[list[Callable[[PreTrainedModel, str | os.PathLike], None]]] = []
+    """Called as `hook(model, save_directory)` after `save_pretrained` (so also `push_to_hub`) wrote a folder on the
+    main process. The hf_specformer package registers `hub.export.complete_hub_folder` (a drafter's
+    `custom_generate/`, a model card where there is none); remote code alone writes weights, config and code."""
+
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained` (also what `push_to_hub` uploads), completed into a Hub folder where the
-        hf_specformer package is installed (`hub.export.complete_hub_folder`: a drafter's `custom_generate/`, a
-        model card where there is none); remote code without the package writes weights, config and code only."""
         super().save_pretrained(save_directory, *args, **kwargs)
-        try:
-            import hf_specformer.hub.export as hub_export
-        except ImportError:
-            return
         if kwargs.get("is_main_process", True):
-            hub_export.complete_hub_folder(self, save_directory)
+            for hook in self.save_hooks:
+                hook(self, save_directory)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""Proposers: where drafts come from. They only return draft logits; acceptance lives in `verification.py`.
+"""Proposers: where drafts come from. They return a `Proposal`; acceptance lives in `verification.py`.
 
 A proposer is called once after every target forward (the prompt's prefill, then each verification step) with what
 that forward produced, and returns a `Proposal` for the k tokens that follow each row's newly committed token: its

@@ -49,8 +49,8 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
 from .drafting import PromptLookupProposer, Proposer, SpecFormerProposer
-from .engine import COMPACTION_HOLE_FRACTION, speculative_decode
-from .scheduling import CONFIDENCE_THRESHOLD
+from .engine import speculative_decode
+from .speculation import COMPACTION_HOLE_FRACTION, TRANSFORMERS_NAMES, SpeculationConfig
 from .validation import (
     check_arguments,
     check_cache_layers,
@@ -59,16 +59,6 @@ from .validation import (
     max_new_tokens,
     resolved_config,
 )
-
-LOOKUP_NGRAM_SIZE = 4
-"""Default longest n-gram of prompt lookup (see `PromptLookupProposer` for the measurement behind it)."""
-
-TRANSFORMERS_NAMES = ("num_assistant_tokens", "assistant_confidence_threshold", "max_matching_ngram_size",
-                      "prompt_lookup_num_tokens", "num_assistant_tokens_schedule")
-"""transformers' assisted-generation arguments that this `generate` reads (`_speculation_arguments`)."""
-
-TRANSFORMERS_SCHEDULES = {"constant": "fixed", "heuristic": "goodput", "heuristic_transient": "goodput"}
-
 
 def _make_proposer(model, assistant_model, num_draft_tokens: int | None, lookup_ngram_size: int) -> Proposer:
     """The proposer behind `assistant_model`, bound to `model` and checked against it, with prompt lookup on top
@@ -121,24 +111,6 @@ def _bind_companion(model, companion_model):
     return companion_model
 
 
-def _check_speculation_arguments(num_draft_tokens, lookup_ngram_size, compaction_hole_fraction,
-                                 confidence_threshold) -> None:
-    """Types and ranges of the arguments `generate` does not know."""
-    for name, value in (("num_draft_tokens", num_draft_tokens), ("lookup_ngram_size", lookup_ngram_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name} must be an int, got {value!r}.")
-    if num_draft_tokens is not None and num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens={num_draft_tokens} must be at least 0 (0: plain decoding).")
-    if lookup_ngram_size is not None and lookup_ngram_size < 0:
-        raise ValueError(f"lookup_ngram_size={lookup_ngram_size} must be 0 (off) or at least 2.")
-    if not compaction_hole_fraction >= 0:
-        raise ValueError(
-            f"compaction_hole_fraction={compaction_hole_fraction} must be at least 0 (0: every step, above 1: never)."
-        )
-    if not 0 <= confidence_threshold <= 1:
-        raise ValueError(f"confidence_threshold={confidence_threshold} must be between 0 and 1.")
-
-
 def _unwrap_peft(model):
     """A PEFT `PeftModel` target -> its base model, whose layers carry the adapters (LoRA layers wrap the base
     layers in place), so the engine runs the adapted target; any other model is returned as is. (Duck-typed: this
@@ -146,40 +118,6 @@ def _unwrap_peft(model):
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         return model.get_base_model()
     return model
-
-
-def _speculation_arguments(config: GenerationConfig, num_draft_tokens, lookup_ngram_size, confidence_threshold,
-                           schedule) -> tuple:
-    """Our arguments, completed from transformers' assisted-generation names found in the resolved `config` (passed
-    to `generate` or set in a `GenerationConfig`): num_assistant_tokens -> num_draft_tokens,
-    assistant_confidence_threshold -> confidence_threshold (with the fixed schedule), max_matching_ngram_size ->
-    lookup_ngram_size, prompt_lookup_num_tokens -> lookup on (0: off) and k, num_assistant_tokens_schedule
-    "constant" -> schedule "fixed", "heuristic"/"heuristic_transient" -> "goodput". ValueError where both names are
-    given and disagree. Returns (num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule) with our
-    defaults filled in."""
-    ours = {"num_draft_tokens": num_draft_tokens, "lookup_ngram_size": lookup_ngram_size,
-            "confidence_threshold": confidence_threshold, "schedule": schedule}
-    lookup_tokens, their_k = config.prompt_lookup_num_tokens, config.num_assistant_tokens
-    if lookup_tokens:
-        if their_k not in (None, lookup_tokens):
-            raise ValueError(f"prompt_lookup_num_tokens={lookup_tokens} and num_assistant_tokens={their_k} disagree: "
-                             "lookup and the drafter propose the same k drafts.")
-        their_k = lookup_tokens
-    theirs = {
-        "num_draft_tokens": their_k,
-        "lookup_ngram_size": 0 if lookup_tokens == 0 else config.max_matching_ngram_size,
-        "confidence_threshold": config.assistant_confidence_threshold,
-        "schedule": TRANSFORMERS_SCHEDULES.get(config.num_assistant_tokens_schedule),
-    }
-    for name, value in theirs.items():
-        if value is None:
-            continue
-        if ours[name] is not None and ours[name] != value:
-            raise ValueError(f"{name}={ours[name]!r} disagrees with transformers' equivalent ({value!r}); pass one.")
-        ours[name] = value
-    lookup = LOOKUP_NGRAM_SIZE if ours["lookup_ngram_size"] is None else ours["lookup_ngram_size"]
-    threshold = CONFIDENCE_THRESHOLD if ours["confidence_threshold"] is None else ours["confidence_threshold"]
-    return ours["num_draft_tokens"], lookup, threshold, ours["schedule"]
 
 
 def _without(generation_config: GenerationConfig | None, kwargs: dict, names) -> GenerationConfig | None:
@@ -245,19 +183,19 @@ def generate(
         raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
     model = _unwrap_peft(model)
     config, unused = resolved_config(model, generation_config, kwargs)
-    num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule = _speculation_arguments(
-        config, num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule
+    speculation = SpeculationConfig.from_arguments(
+        config, num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule,
+        compaction_hole_fraction=compaction_hole_fraction, step_costs=step_costs, cpu_speedups=cpu_speedups,
+        packed_verification=packed_verification, cost_feedback=cost_feedback,
     )
     generation_config = _without(generation_config, kwargs, TRANSFORMERS_NAMES)
-    _check_speculation_arguments(num_draft_tokens, lookup_ngram_size, compaction_hole_fraction, confidence_threshold)
     input_ids = inputs if inputs is not None else unused.get("input_ids")
     if input_ids is None:
         raise ValueError("Pass `input_ids` (or `inputs`): speculative generation needs a prompt.")
     check_prompt(model, input_ids, unused.get("attention_mask"))
     check_arguments(model, config, unused, input_ids, streamer, synced_gpus)
     check_logits_processors(logits_processor)
-    schedule = schedule or ("fixed" if confidence_threshold > 0 else "goodput")
-    proposer = _make_proposer(model, assistant_model, num_draft_tokens, lookup_ngram_size)
+    proposer = _make_proposer(model, assistant_model, speculation.num_draft_tokens, speculation.lookup_ngram_size)
     check_cache_layers(model, input_ids.shape[1], max_new_tokens(config, input_ids.shape[1]), proposer.num_draft_tokens)
     companion = _bind_companion(model, companion_model)
     stopping_criteria, generation_config = _stop_string_criteria(config, generation_config, stopping_criteria, kwargs)
@@ -271,15 +209,9 @@ def generate(
         custom_generate=speculative_decode,
         proposer=proposer,
         speculative_streamer=streamer,
-        compaction_hole_fraction=compaction_hole_fraction,
-        confidence_threshold=confidence_threshold,
-        schedule=schedule,
-        step_costs=step_costs,
-        cpu_speedups=cpu_speedups,
-        packed_verification=packed_verification,
-        cost_feedback=cost_feedback,
+        speculation=speculation,
         companion=companion,
-        acceptance_table=_acceptance_table(assistant_model, companion) if schedule == "goodput" else None,
+        acceptance_table=_acceptance_table(assistant_model, companion) if speculation.schedule == "goodput" else None,
         **kwargs,
     )
     if assistant_model is not proposer:

@@ -2,23 +2,10 @@
 
 A verification step feeds only B * (k + 1) rows through every linear layer of the target. For such few rows MKL
 runs `x @ W^T` (what `nn.Linear` asks for) with a packing pass over the whole weight on every call, while `W @ x^T`
-streams it once. Measured on the 2-core testbed (float32, the 210 decoder linears of SmolLM2-135M, weights out of
-cache), per forward: 1 row 38 vs 37 ms (decoding one row is neither slowed nor sped up), 4 rows 70 vs 43 ms, 5 rows
-61 vs 37 ms, 16 rows 91 vs 66 ms, 32 rows 114 vs 90 ms, 64 rows 136 vs 142 ms, hence `FEW_ROWS`. The
-vocabulary-sized head gains further (V = 49152: 5 rows 21.4 vs 6.7 ms, 40 rows 38.8 vs 27.6 ms, 160 rows 90 vs
-86 ms, 320 rows 169 vs 269 ms), hence `FEW_HEAD_ROWS`.
-
-The cost of `W @ x^T` is not monotone in the rows: measured again this way (same 210 linears, then the head), for
-1..9 rows: 38, 37, 47, 38, 51, 62, 75, 67, 81 ms and 9.5, 7.3, 10.1, 7.4, 10.2, 13.3, 16.6, 13.8, 16.4 ms. MKL's
-kernels favour an even or four-wide right-hand side, so at B = 1 verifying k = 3 drafts (4 inputs) costs what a
-1-token forward does, while k = 4 (5 inputs) costs a third more; the shipped drafter's default k is 3.
-
-These are isolated timings. Inside the decoding loop the 16-row case did not hold: at B = 16 (SmolLM2, MT-bench,
-128 tokens, the engine forced to run, nearly all steps of width 0, so 16 rows), a call's 126 target forwards took
-20.2 s with the switch and 18.3 s with the bound lowered to 8 rows; a call without the switch took 17.5 s for its
-127. Timed alone at that batch, the same forward costs 87 ms with the switch and 89 ms without. The cause is not
-known. It does not reach plain `generate` calls: from B = 8 on the goodput scheduler runs
-transformers' plain loop, without this switch, on the testbed.
+streams it once: faster from 2 up to about `FEW_ROWS` rows, and up to `FEW_HEAD_ROWS` for the vocabulary-sized head;
+the same at 1 row. MKL's kernels favour an even or four-wide right-hand side, so the cost is not monotone in the rows
+(at B = 1, k = 3 drafts cost what a 1-token forward does, k = 4 a third more). The measurements are in the README
+(How it works).
 
 `FewRowLinears` switches this on for the linear layers of given modules while the engine runs, and restores them
 after. It serves plain batched decoding on the CPU as well (B rows per forward: 1.6x at B = 4), e.g.

@@ -1,0 +1,120 @@
+"""The speculation settings of one call, validated once: `SpeculationConfig`.
+
+`generate` builds it from its own arguments and from transformers' assisted-generation names (passed to `generate`
+or set in a `GenerationConfig`), and passes it down to the engine; nothing below re-checks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import GenerationConfig
+
+from .costs import StepCostModel
+from .scheduling import CONFIDENCE_THRESHOLD
+
+LOOKUP_NGRAM_SIZE = 4
+"""Default longest n-gram of prompt lookup (see `PromptLookupProposer` for the measurement behind it)."""
+
+COMPACTION_HOLE_FRACTION = 0.5
+"""Default share of cache columns that compaction would remove (holes of rejected drafts or padding shared by every
+row) at which the caches are compacted."""
+
+SCHEDULES = ("goodput", "fixed")
+"""`schedule=` values: the goodput scheduler, or every row verifying k drafts (or up to `confidence_threshold`)."""
+
+TRANSFORMERS_NAMES = ("num_assistant_tokens", "assistant_confidence_threshold", "max_matching_ngram_size",
+                      "prompt_lookup_num_tokens", "num_assistant_tokens_schedule")
+"""transformers' assisted-generation arguments that `SpeculationConfig.from_arguments` reads."""
+
+TRANSFORMERS_SCHEDULES = {"constant": "fixed", "heuristic": "goodput", "heuristic_transient": "goodput"}
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How one call speculates (the arguments of `generate` beyond transformers'; see its module docstring).
+
+    Attributes:
+        num_draft_tokens: k, drafts per row and step (None: the drafter's `num_speculative_tokens`; 0: plain).
+        lookup_ngram_size: the longest n-gram of prompt lookup on top of the drafter (0: off).
+        compaction_hole_fraction: compact the caches when the columns compaction would remove reach this share of
+            their columns (0: every step, above 1: never).
+        confidence_threshold: with the fixed schedule, a row verifies its drafts while their cumulative probability
+            is at least this (0: all k).
+        schedule: "goodput" or "fixed" (`scheduling.py`).
+        step_costs: the goodput scheduler's `StepCostModel` (or its dict, or a saved file); None: those cached for
+            this machine, else learnt from the call's own steps.
+        cpu_speedups: on a CPU target, the loop's few-row products and grouped-query attention.
+        packed_verification: a step's linear layers compute only the inputs it verifies (`packing.py`).
+        cost_feedback: the goodput scheduler learns step costs from the call's steps and hands a losing call over
+            to plain steps (`feedback.py`).
+    """
+
+    num_draft_tokens: int | None = None
+    lookup_ngram_size: int = LOOKUP_NGRAM_SIZE
+    compaction_hole_fraction: float = COMPACTION_HOLE_FRACTION
+    confidence_threshold: float = CONFIDENCE_THRESHOLD
+    schedule: str = "goodput"
+    step_costs: StepCostModel | dict | str | None = None
+    cpu_speedups: bool = True
+    packed_verification: bool = True
+    cost_feedback: bool = True
+
+    def __post_init__(self):
+        for name in ("num_draft_tokens", "lookup_ngram_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}.")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} must be at least 0 (0: plain decoding).")
+        if self.lookup_ngram_size < 0:
+            raise ValueError(f"lookup_ngram_size={self.lookup_ngram_size} must be 0 (off) or at least 2.")
+        if not self.compaction_hole_fraction >= 0:
+            raise ValueError(f"compaction_hole_fraction={self.compaction_hole_fraction} must be at least 0 "
+                             "(0: every step, above 1: never).")
+        if not 0 <= self.confidence_threshold <= 1:
+            raise ValueError(f"confidence_threshold={self.confidence_threshold} must be between 0 and 1.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}.")
+        if self.schedule == "goodput" and self.confidence_threshold > 0:
+            raise ValueError("confidence_threshold applies to schedule='fixed'; the goodput scheduler sets its own.")
+
+    @classmethod
+    def from_arguments(
+        cls, config: GenerationConfig, num_draft_tokens: int | None = None, lookup_ngram_size: int | None = None,
+        confidence_threshold: float | None = None, schedule: str | None = None, **others,
+    ) -> "SpeculationConfig":
+        """Our arguments, completed from transformers' names found in the resolved `config`: num_assistant_tokens
+        -> num_draft_tokens, assistant_confidence_threshold -> confidence_threshold (with the fixed schedule),
+        max_matching_ngram_size -> lookup_ngram_size, prompt_lookup_num_tokens -> lookup on (0: off) and k,
+        num_assistant_tokens_schedule "constant" -> schedule "fixed", "heuristic"/"heuristic_transient" ->
+        "goodput". ValueError where both names are given and disagree. Without a schedule: "fixed" with a
+        confidence threshold, else "goodput". `others`: the remaining fields, as they are."""
+        ours = {"num_draft_tokens": num_draft_tokens, "lookup_ngram_size": lookup_ngram_size,
+                "confidence_threshold": confidence_threshold, "schedule": schedule}
+        lookup_tokens, their_k = config.prompt_lookup_num_tokens, config.num_assistant_tokens
+        if lookup_tokens:
+            if their_k not in (None, lookup_tokens):
+                raise ValueError(f"prompt_lookup_num_tokens={lookup_tokens} and num_assistant_tokens={their_k} "
+                                 "disagree: lookup and the drafter propose the same k drafts.")
+            their_k = lookup_tokens
+        theirs = {
+            "num_draft_tokens": their_k,
+            "lookup_ngram_size": 0 if lookup_tokens == 0 else config.max_matching_ngram_size,
+            "confidence_threshold": config.assistant_confidence_threshold,
+            "schedule": TRANSFORMERS_SCHEDULES.get(config.num_assistant_tokens_schedule),
+        }
+        for name, value in theirs.items():
+            if value is None:
+                continue
+            if ours[name] is not None and ours[name] != value:
+                raise ValueError(f"{name}={ours[name]!r} disagrees with transformers' equivalent ({value!r}); pass one.")
+            ours[name] = value
+        threshold = CONFIDENCE_THRESHOLD if ours["confidence_threshold"] is None else ours["confidence_threshold"]
+        return cls(
+            num_draft_tokens=ours["num_draft_tokens"],
+            lookup_ngram_size=LOOKUP_NGRAM_SIZE if ours["lookup_ngram_size"] is None else ours["lookup_ngram_size"],
+            confidence_threshold=threshold,
+            schedule=ours["schedule"] or ("fixed" if threshold > 0 else "goodput"),
+            **others,
+        )
