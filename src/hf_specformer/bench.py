@@ -231,17 +231,19 @@ class _ModeTally:
         width_counts = [sum(column) for column in zip(*(s["width_counts"] for s in self.stats))]
         drafted, padding = sum(s["drafted"] for s in self.stats), sum(s["padding"] for s in self.stats)
         steps = max(sum(s["steps"] for s in self.stats), 1)
+        engine = [s for s in self.stats if not s["plain_decoding"]]  # calls in transformers' loop time no steps
 
         def per_step(key: str) -> list[float]:
-            totals = [sum(s[key][w] * s["width_counts"][w] for s in self.stats) for w in range(len(width_counts))]
-            return [total / max(count, 1) for total, count in zip(totals, width_counts)]
+            counts = [sum(s["width_counts"][w] for s in engine) for w in range(len(width_counts))]
+            totals = [sum(s[key][w] * s["width_counts"][w] for s in engine) for w in range(len(width_counts))]
+            return [total / max(count, 1) for total, count in zip(totals, counts)]
 
         return {
             "width_counts": width_counts,
             "seconds_per_step_by_width": per_step("seconds_per_step_by_width"),
             "predicted_seconds_per_step_by_width": per_step("predicted_seconds_per_step_by_width"),
             "handoffs": sum(s["handoffs"] for s in self.stats),
-            "host_reads_per_step": sum(s["host_reads"] for s in self.stats) / steps,
+            "host_reads_per_step": sum(s["host_reads"] for s in engine) / max(sum(s["steps"] for s in engine), 1),
             "mean_width": sum(w * n for w, n in enumerate(width_counts)) / max(sum(width_counts), 1),
             "predicted_acceptance_rate": sum(s["predicted_acceptance_rate"] * s["drafted"] for s in self.stats)
             / max(drafted, 1),
