@@ -123,7 +123,8 @@ def speculative_decode(
         companion: a bound `CompanionForVerification` (or any module called as `companion(hidden_states=[B, d],
             input_ids=[B, k])` returning `.logits` `[B, k, V]`): the goodput scheduler's signal becomes SV's (S, A).
         acceptance_table: the estimator's calibrated table (`AcceptanceTable` or its dict); default uncalibrated.
-        model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and `past_key_values` (a `DynamicCache`).
+        model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and the cache (a `DynamicCache`, as `cache`
+            or, before transformers 5.24, `past_key_values`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
         when `generation_config.return_dict_in_generate`. On a CPU target the loop's forwards run with the CPU
@@ -183,7 +184,7 @@ def _decode(
     """The body of `speculative_decode`: prefill, then verification steps until every row has finished. A step that
     verifies nothing runs `transformers`' own forward (no CPU patches) and the proposer defers its work, so it costs
     what a plain decoding step does; every step is timed for the schedule (`feedback.py`)."""
-    given = model_kwargs.get("past_key_values")
+    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
     if not isinstance(given, DynamicCache) or given.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
     do_sample = bool(generation_config.do_sample)

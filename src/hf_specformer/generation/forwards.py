@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 
@@ -37,6 +39,13 @@ def cpu_patches(model, modules: list[torch.nn.Module], enabled: bool = True) -> 
     return CpuPatches(model, modules, enabled)
 
 
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """The name under which a model's `forward` takes its KV cache: `cache` from transformers 5.24 (where
+    `past_key_values` is deprecated), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def target_forward(model, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep):
     """One target forward of the loop: logits of the last `logits_to_keep` inputs (0: all), and the hidden states
     with `output_hidden_states`. Run it inside `cpu_patches` for the loop's speed on the CPU."""
@@ -44,8 +53,8 @@ def target_forward(model, input_ids, attention_mask, position_ids, cache, output
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         output_hidden_states=output_hidden_states,
         logits_to_keep=logits_to_keep,
+        **{cache_keyword(type(model)): cache},
     )

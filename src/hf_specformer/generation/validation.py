@@ -102,10 +102,11 @@ def check_arguments(model, config: GenerationConfig, unused: dict, input_ids, st
             f"guidance_scale={config.guidance_scale}: classifier-free guidance runs its own model calls, one token "
             "per step, which speculation cannot replay; use plain `generate` for it."
         )
-    if config.cache_implementation not in (None, "dynamic") or unused.get("past_key_values") is not None:
+    given = [name for name in ("cache", "past_key_values") if unused.get(name) is not None]
+    if config.cache_implementation not in (None, "dynamic") or given:
         raise ValueError(
             f"Speculative generation manages its own DynamicCache; got cache_implementation="
-            f"{config.cache_implementation!r}{' and past_key_values' if unused.get('past_key_values') else ''}."
+            f"{config.cache_implementation!r}{''.join(f' and {name}' for name in given)}."
         )
     requested = [name for name in UNSUPPORTED_OUTPUTS if getattr(config, name, False)]
     if requested:
