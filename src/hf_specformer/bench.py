@@ -51,7 +51,7 @@ from transformers import AutoModel, DynamicCache
 
 from .generation import OracleProposer, SpecFormerProposer, generate
 from .generation.costs import profile_batch_sizes
-from .generation.forwards import cpu_patches, target_forward
+from .generation.forwards import cache_argument, cpu_patches, target_forward
 from .generation.products import FewRowLinears
 from .generation.profiling import measure_step_costs
 from .generation.scheduling import CONFIDENCE_THRESHOLD
@@ -114,7 +114,7 @@ def count_new_tokens(sequences: torch.LongTensor, prompt_width: int, eos_token_i
 @torch.no_grad()
 def prefill_seconds(target, batch: dict) -> float:
     """Time of the prompt forward `generate` starts with (fresh cache, logits of the last position only)."""
-    return _timed(lambda: target(**batch, past_key_values=DynamicCache(), logits_to_keep=1), target.device)[1]
+    return _timed(lambda: target(**batch, **cache_argument(target, DynamicCache()), logits_to_keep=1), target.device)[1]
 
 
 @torch.no_grad()
@@ -129,7 +129,7 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     used, so drift on a shared machine hits both alike.
     """
     cache = DynamicCache()
-    target(input_ids=context, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
+    target(input_ids=context, attention_mask=attention_mask, **cache_argument(target, cache), logits_to_keep=1)
     lengths = attention_mask.sum(-1, keepdim=True)
     times = {1: [], k + 1: []}
     for _ in range(repeats):
@@ -140,7 +140,8 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
             synchronize(context.device)
             start = time.perf_counter()
             if num_tokens == 1:
-                target(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=0)
+                target(ids, attention_mask=mask, position_ids=positions, logits_to_keep=0,
+                       **cache_argument(target, cache))
             else:
                 with cpu_patches(target, [target]):
                     target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)

@@ -8,6 +8,7 @@ from conftest import make_target
 from helpers import make_batch
 
 from hf_specformer.generation.attention import GQA_SDPA, GroupedQueryAttention
+from hf_specformer.generation.forwards import cache_argument
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -17,7 +18,7 @@ def test_masked_multi_query_forward_is_unchanged(kind, monkeypatch):
     input_ids, mask = make_batch(4, seed=1)
     with torch.no_grad():
         prefix = target(input_ids[:, :-3], attention_mask=mask[:, :-3], use_cache=True).past_key_values
-        reference = target(input_ids[:, -3:], attention_mask=mask, past_key_values=prefix).logits
+        reference = target(input_ids[:, -3:], attention_mask=mask, **cache_argument(target, prefix)).logits
         prefix.crop(-3)
         calls = []
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -25,7 +26,7 @@ def test_masked_multi_query_forward_is_unchanged(kind, monkeypatch):
                             lambda *a, **kw: calls.append(kw.get("enable_gqa")) or sdpa(*a, **kw))
         with GroupedQueryAttention(target):
             assert target.config._attn_implementation == GQA_SDPA
-            logits = target(input_ids[:, -3:], attention_mask=mask, past_key_values=prefix).logits
+            logits = target(input_ids[:, -3:], attention_mask=mask, **cache_argument(target, prefix)).logits
     assert target.config._attn_implementation == "sdpa"
     assert calls == [True] * target.config.num_hidden_layers
     torch.testing.assert_close(logits, reference, rtol=0, atol=0)

@@ -11,7 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
 from hf_specformer.generation.batch import RaggedBatch, padded_batch_size
-from hf_specformer.generation.forwards import target_forward
+from hf_specformer.generation.forwards import cache_argument, target_forward
 from hf_specformer.generation.products import FewRowLinears
 from hf_specformer.training.target_states import next_token_ids
 
@@ -235,7 +235,8 @@ def test_target_forward_gives_the_models_own_logits_and_states(kind):
     with FewRowLinears([target], head=target.get_output_embeddings()):
         engine = target_forward(target, input_ids, mask, positions, engine_cache, output_hidden_states=True,
                                 logits_to_keep=0)
-    model = target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=model_cache,
+    model = target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                   **cache_argument(target, model_cache),
                    output_hidden_states=True)
     assert not model.logits.isnan().any()
     torch.testing.assert_close(engine.logits, model.logits, rtol=0, atol=1e-10)

@@ -16,10 +16,12 @@ from hf_specformer.generation.caching import PreallocatedCache
 from hf_specformer.generation import feedback, scheduling
 from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_LOSS, HANDOFF_MARGIN, HandOff, OnlineStepCosts
 from hf_specformer.generation.costs import STEP_COSTS_ENV, StepCostModel
+from hf_specformer.generation.forwards import cache_argument
 
 
 def _forward(target, ids, mask, cache, positions):
-    return target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    return target(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **cache_argument(target, cache))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -79,7 +81,7 @@ def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_to
     for proposer in (every, deferring):
         proposer.start(64)
     positions = batch.prompt_position_ids()
-    output = target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    output = target(input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_argument(target, cache),
                     output_hidden_states=True)
     batch.commit_prompt()
     generator = torch.Generator().manual_seed(1)
@@ -95,7 +97,8 @@ def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_to
             assert deferring.cache.get_seq_length() == every.cache.get_seq_length()
         step_ids = torch.randint(3, TINY_VOCAB, (3, inputs), generator=generator)
         step_mask, positions = batch.step_inputs(inputs)
-        output = target(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
+        output = target(input_ids=step_ids, attention_mask=step_mask, position_ids=positions,
+                        **cache_argument(target, cache),
                         output_hidden_states=True)
         batch.commit_cache(torch.full((3,), accepted), inputs)
         source = torch.full((3,), accepted - 1)

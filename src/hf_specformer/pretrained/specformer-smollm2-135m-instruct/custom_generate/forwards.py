@@ -46,6 +46,11 @@ def cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
+def cache_argument(model: torch.nn.Module, cache) -> dict:
+    """`{name: cache}` to pass `cache` to `model(...)` under the name its `forward` takes (`cache_keyword`)."""
+    return {cache_keyword(type(model)): cache}
+
+
 def target_forward(model, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep):
     """One target forward of the loop: logits of the last `logits_to_keep` inputs (0: all), and the hidden states
     with `output_hidden_states`. Run it inside `cpu_patches` for the loop's speed on the CPU."""
@@ -56,5 +61,5 @@ def target_forward(model, input_ids, attention_mask, position_ids, cache, output
         use_cache=True,
         output_hidden_states=output_hidden_states,
         logits_to_keep=logits_to_keep,
-        **{cache_keyword(type(model)): cache},
+        **cache_argument(model, cache),
     )
