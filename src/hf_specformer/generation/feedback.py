@@ -65,8 +65,8 @@ HANDOFF_BACKOFF = 32
 class StepClock:
     """Times the decoding loop's steps without blocking. `mark()` splits a step into segments; `lap(label)` ends the
     step begun at the last `lap` or `restart`. `read()` returns `(label, [seconds of each segment])` for the steps
-    whose end has passed: all of them on the CPU; on CUDA those whose end event has completed. Tensors in a label
-    are copied to the host without blocking and read once the step has ended."""
+    whose end has passed: all of them on the CPU; on CUDA those whose end event has completed. Labels hold host
+    values only (the engine's counts come from its one read per step, `host.py`)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -88,7 +88,6 @@ class StepClock:
         self.marks.append(self._now())
 
     def lap(self, label: tuple) -> None:
-        label = tuple(_to_host(item) if isinstance(item, torch.Tensor) else item for item in label)
         self.marks.append(self._now())
         self.pending.append((label, self.marks))
         self.marks = [self.marks[-1]]
@@ -100,14 +99,6 @@ class StepClock:
             pairs = zip(marks, marks[1:])
             done.append((label, [start.elapsed_time(end) / 1000 if self.cuda else end - start for start, end in pairs]))
         return done
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of `tensor`, made without blocking on CUDA (pinned memory; valid once the stream reaches it)."""
-    if tensor.device.type != "cuda":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
 
 
 class _Cost:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .export import CUSTOM_GENERATE_DIR, REQUIREMENTS
+from .export import CUSTOM_GENERATE_DIR, generation_sources, requirements_text
 
 COPIED_FROM = re.compile(r"^[ \t]*# Copied from (\w+)\.([\w.]+)", re.MULTILINE)
 MODEL_FOLDERS = {"specformer": "specformer", "sv_companion": "companion"}
@@ -49,10 +49,9 @@ def _folder_copies(root: Path, folder: Path) -> list[Copy]:
     sources = [*models.glob("configuration_*.py"), *models.glob("modeling_*.py")]
     copies = [Copy(folder / source.name, source.read_text()) for source in sorted(sources)]
     if model_type == "specformer":
-        generation = sorted(path for path in (package / "generation").glob("*.py") if path.name != "__init__.py")
+        generation = generation_sources(package / "generation")
         copies += [Copy(folder / CUSTOM_GENERATE_DIR / path.name, path.read_text()) for path in generation]
-        requirements = "".join(f"{requirement}\n" for requirement in REQUIREMENTS)
-        copies.append(Copy(folder / CUSTOM_GENERATE_DIR / "requirements.txt", requirements))
+        copies.append(Copy(folder / CUSTOM_GENERATE_DIR / "requirements.txt", requirements_text()))
     if (folder / "README.md").is_file():
         copies.append(Copy(root / "hub_cards" / f"{folder.name}.md", (folder / "README.md").read_text()))
     return copies

@@ -35,10 +35,16 @@ REQUIREMENTS = ("torch>=2.4", "transformers>=5.17")
 exporting machine's versions. Plain `pkg>=X.Y` lines: transformers parses nothing else."""
 
 
-def generation_sources() -> list[Path]:
-    """The generation modules bundled into `custom_generate/` (the package's `__init__.py` is not)."""
-    folder = Path(generation.__file__).parent
+def generation_sources(folder: str | os.PathLike | None = None) -> list[Path]:
+    """The generation modules bundled into `custom_generate/` (the package's `__init__.py` is not), from `folder`
+    (default: the installed package's `generation/`)."""
+    folder = Path(folder) if folder is not None else Path(generation.__file__).parent
     return sorted(path for path in folder.glob("*.py") if path.name != "__init__.py")
+
+
+def requirements_text() -> str:
+    """`custom_generate/requirements.txt`: one `REQUIREMENTS` line each."""
+    return "".join(f"{requirement}\n" for requirement in REQUIREMENTS)
 
 
 def write_custom_generate(folder: str | os.PathLike) -> Path:
@@ -47,7 +53,7 @@ def write_custom_generate(folder: str | os.PathLike) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     for source in generation_sources():
         shutil.copyfile(source, target / source.name)
-    (target / "requirements.txt").write_text("".join(f"{requirement}\n" for requirement in REQUIREMENTS))
+    (target / "requirements.txt").write_text(requirements_text())
     return target
 
 
