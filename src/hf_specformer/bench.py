@@ -51,8 +51,8 @@ from transformers import AutoModel, DynamicCache
 
 from .generation import OracleProposer, SpecFormerProposer, generate
 from .generation.costs import profile_batch_sizes
-from .generation.forwards import cache_argument, cpu_patches, target_forward
-from .generation.products import FewRowLinears
+from .generation.forwards import LoopLayers, cache_argument, target_forward
+from .generation.linears import few_row_products
 from .generation.profiling import measure_step_costs
 from .generation.scheduling import CONFIDENCE_THRESHOLD
 from .generation.speculation import LOOKUP_NGRAM_SIZE
@@ -122,7 +122,7 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     """(k + 1) * t(B, 1) / t(B, k + 1): the speedup of all-accepted drafts if drafting and bookkeeping were free.
 
     t(B, 1) is the target's own forward of one new token per row (what plain `generate` runs); t(B, k + 1) the
-    engine's verification forward of k + 1 tokens per row (`target_forward` inside `cpu_patches`, with the hidden
+    engine's verification forward of k + 1 tokens per row (`target_forward` with `LoopLayers` sped up, with the hidden
     states a drafter reads).
     Timed over a realistic cache: `context` `[B, C]` is the prompt plus the first half of the plain continuation
     (the mean cache length while decoding). The two forwards alternate, `repeats` times each, and the medians are
@@ -131,6 +131,7 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     cache = DynamicCache()
     target(input_ids=context, attention_mask=attention_mask, **cache_argument(target, cache), logits_to_keep=1)
     lengths = attention_mask.sum(-1, keepdim=True)
+    layers = LoopLayers(target, [target])
     times = {1: [], k + 1: []}
     for _ in range(repeats):
         for num_tokens in times:
@@ -143,7 +144,7 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
                 target(ids, attention_mask=mask, position_ids=positions, logits_to_keep=0,
                        **cache_argument(target, cache))
             else:
-                with cpu_patches(target, [target]):
+                with layers.installed(), layers.speedups():
                     target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)
             synchronize(context.device)
             times[num_tokens].append(time.perf_counter() - start)
@@ -313,7 +314,7 @@ def bench_batch_size(target, tokenizer, prompts, batch_size: int, config: BenchC
             else:  # odd rounds run the modes in reverse order, then plain: no run always follows the same one
                 order.reverse()
             if config.few_row_plain:
-                with FewRowLinears([target], head=target.get_output_embeddings()):
+                with few_row_products([target], head=target.get_output_embeddings()):
                     few_row_plain += _timed(lambda: target.generate(**batch, **gen_kwargs), target.device)[1]
             for run, tally in order:
                 tally.add(*_speculative_run(target, tokenizer, batch, references[index], run, config, drafters,
@@ -364,8 +365,8 @@ def measure_profile(target, config: BenchConfig, drafters: dict) -> None:
     if not drafter.is_bound:
         drafter.bind_target(target)
     proposer = SpecFormerProposer(drafter, config.num_draft_tokens)
-    patches = cpu_patches(target, [target, *proposer.modules()])
-    drafters["profile"] = measure_step_costs(target, proposer, lambda: patches,
+    layers = LoopLayers(target, [target, *proposer.modules()])
+    drafters["profile"] = measure_step_costs(target, proposer, layers,
                                              profile_batch_sizes(max(config.batch_sizes)), config.num_draft_tokens)
 
 

@@ -77,20 +77,30 @@ def load_prompts(
     over that column's values (file order within each value), so that every prefix mixes them alike; rows of a
     source without the column form one group.
     """
-    sources = [str(DEFAULT_PROMPTS_FILE)] if source is None else [source] if isinstance(source, str) else list(source)
-    prompts, groups = [], []
-    for name in sources:
-        rows = _load_rows(name, split)
-        column = _prompt_column(rows.column_names, prompt_field)
-        labels = rows[interleave_field] if interleave_field in rows.column_names else [name] * len(rows)
-        kept = [(text, label) for text, label in zip(map(_as_text, rows[column]), labels) if text]
-        prompts.extend(text for text, _ in kept)
-        groups.extend(label for _, label in kept)
+    prompts, groups = labelled_prompts(source, interleave_field, prompt_field=prompt_field, split=split)
     if interleave_field is not None:
         prompts = _round_robin(prompts, groups)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(prompts)
     return prompts if limit is None else prompts[:limit]
+
+
+def labelled_prompts(
+    source: str | Sequence[str] | None, label_field: str | None, *, prompt_field: str | None = None,
+    split: str = "train",
+) -> tuple[list[str], list[str]]:
+    """The non-empty prompts of `source` (as `load_prompts` reads it, in file order) and a label for each: its
+    row's `label_field` value (e.g. MT-bench's `category`), or the source's file stem where the column is absent."""
+    sources = [str(DEFAULT_PROMPTS_FILE)] if source is None else [source] if isinstance(source, str) else list(source)
+    prompts, labels = [], []
+    for name in sources:
+        rows = _load_rows(name, split)
+        column = _prompt_column(rows.column_names, prompt_field)
+        values = rows[label_field] if label_field in rows.column_names else [Path(name).stem] * len(rows)
+        kept = [(text, str(label)) for text, label in zip(map(_as_text, rows[column]), values) if text]
+        prompts.extend(text for text, _ in kept)
+        labels.extend(label for _, label in kept)
+    return prompts, labels
 
 
 def _round_robin(items: list, groups: list) -> list:

@@ -11,8 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
 from hf_specformer.generation.batch import RaggedBatch, padded_batch_size
-from hf_specformer.generation.forwards import cache_argument, target_forward
-from hf_specformer.generation.products import FewRowLinears
+from hf_specformer.generation.forwards import LoopLayers, cache_argument, target_forward
 from hf_specformer.training.target_states import next_token_ids
 
 # name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
@@ -232,7 +231,8 @@ def test_target_forward_gives_the_models_own_logits_and_states(kind):
     input_ids, mask = make_batch(2, seed=4, padded=False)  # Gemma2's eager attention gives NaN at padded positions
     engine_cache, model_cache = DynamicCache(), DynamicCache()
     positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-    with FewRowLinears([target], head=target.get_output_embeddings()):
+    layers = LoopLayers(target, [target])
+    with layers.installed(), layers.speedups():
         engine = target_forward(target, input_ids, mask, positions, engine_cache, output_hidden_states=True,
                                 logits_to_keep=0)
     model = target(input_ids=input_ids, attention_mask=mask, position_ids=positions,

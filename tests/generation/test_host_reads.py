@@ -17,9 +17,9 @@ WAITING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten
 """Operators whose result needs the device's values on the host (`.item()`, `int()`, data-dependent shapes)."""
 
 
-HOST_MODULES = ("scheduling.py", "feedback.py", "packing.py", "masking_utils.py")
+HOST_MODULES = ("scheduling.py", "feedback.py", "linears.py", "masking_utils.py")
 """Where a wait is not one: the schedule, its feedback and the packed inputs' selection compute on the host by
-contract (`choose` takes the estimates once read, `observe` host counts, `PackedLinears.select` the host's counts),
+contract (`choose` takes the estimates once read, `observe` host counts, `LinearSwitch.packed` the host's counts),
 and transformers' mask preparation is what plain `generate` runs too."""
 
 

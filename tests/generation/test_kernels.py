@@ -5,6 +5,8 @@ rounding; and speculative generation through `HF_SPECFORMER_KERNELS=triton` equa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import make_drafter, make_target
@@ -12,7 +14,11 @@ from helpers import assert_same_as_generate, make_batch, noisy_oracle
 from scipy.stats import chi2
 
 from hf_specformer import generate
-from hf_specformer.generation.verification import EMPTY_SLOT, verify_greedy, verify_sampling
+from hf_specformer.generation.verification import (
+    EMPTY_SLOT,
+    verify_greedy,
+    verify_sampling,
+)
 from hf_specformer.kernels import KERNELS_ENV, kernel_backend, load, use_triton
 
 pytest.importorskip("triton")
@@ -129,17 +135,39 @@ def test_greedy_generation_with_triton_kernels_equals_generate(monkeypatch, kind
 
 def test_sampled_generation_is_the_same_with_either_backend(monkeypatch):
     """Sampling draws the same uniforms under both backends, so a seeded generate gives the same rows: the kernels
-    inherit the chi-square tests of the PyTorch path."""
+    inherit the chi-square tests of the PyTorch path. The backend is passed to the call (`kernel_backend=`), and the
+    call's argument wins over the environment."""
     target = make_target("llama")
     drafter = make_drafter(target)
     input_ids, mask = make_batch(8, seed=2)
+    monkeypatch.setenv(KERNELS_ENV, "torch")
 
-    def run():
+    def run(backend):
         torch.manual_seed(5)
         return generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, do_sample=True,
-                        max_new_tokens=12, top_k=20, num_draft_tokens=3, schedule="fixed")
+                        max_new_tokens=12, top_k=20, num_draft_tokens=3, schedule="fixed", kernel_backend=backend)
 
-    assert torch.equal(_with_backend(monkeypatch, "triton", run), _with_backend(monkeypatch, "torch", run))
+    assert torch.equal(run("triton"), run("torch"))
+    with pytest.raises(ValueError, match="kernel_backend='cuda-please'"):
+        run("cuda-please")
+
+
+def test_explicit_backend_is_used_and_the_environment_left_alone(monkeypatch):
+    """`kernel_backend="triton"` runs the kernels although the environment says `torch`; and no backend writes
+    `TRITON_INTERPRET` (a CPU without it is a clear error instead)."""
+    monkeypatch.setenv(KERNELS_ENV, "torch")
+    drafts, scores, num_drafts = _greedy_case(3, 2, 17, "cpu")
+    calls = []
+    kernels = load("verification")
+    monkeypatch.setattr(kernels, "greedy_verification",
+                        lambda *args, inner=kernels.greedy_verification: calls.append(1) or inner(*args))
+    assert all(torch.equal(a, b) for a, b in zip(verify_greedy(drafts, scores, num_drafts, "triton"),
+                                                verify_greedy(drafts, scores, num_drafts)))
+    assert calls == [1]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        verify_greedy(drafts, scores, num_drafts, "triton")
+    assert "TRITON_INTERPRET" not in os.environ
 
 
 def test_dispatcher(monkeypatch):

@@ -113,14 +113,15 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
         out = generate(
             target, input_ids=prompt[None].repeat(5000, 1), attention_mask=torch.ones(5000, len(prompt)),
-            assistant_model=drafter, num_draft_tokens=3, generation_config=config, **speculation,
+            assistant_model=drafter, num_draft_tokens=3, generation_config=config, return_dict_in_generate=True,
+            **speculation,
         )
-        rows.append(out[:, len(prompt):])
-        accepted, drafted = accepted + drafter.speculation_stats.accepted, drafted + drafter.speculation_stats.drafted
+        rows.append(out.sequences[:, len(prompt):])
+        stats = out.speculation_stats  # the last call's, after the loop
+        accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
     samples = torch.cat(rows)
     codes = (samples * torch.tensor([VOCAB**2, VOCAB, 1])).sum(1)
     counts = torch.bincount(codes, minlength=VOCAB**NEW_TOKENS).double()
-    stats = drafter.speculation_stats  # the last call's
     # over all calls: with cost feedback a later call may verify nothing, if its learnt costs say drafts do not pay
     assert 0 < accepted < drafted, "the test needs both acceptances and rejections"
     if schedule == "threshold":
@@ -155,11 +156,12 @@ def test_several_return_sequences_keep_each_prompts_distribution():
     torch.manual_seed(2024)
     outputs = [
         generate(target, input_ids=prompts, attention_mask=torch.ones_like(prompts), assistant_model=drafter,
-                 num_draft_tokens=3, generation_config=config, schedule="fixed")
+                 num_draft_tokens=3, generation_config=config, schedule="fixed", return_dict_in_generate=True)
         for _ in range(2)
     ]
-    stats = drafter.speculation_stats
+    stats = outputs[-1].speculation_stats
     assert 0 < stats.accepted < stats.drafted
+    outputs = [output.sequences for output in outputs]
     references = [exact_joint(target, prompt, processors) for prompt in prompts]
     for index, prompt in enumerate(prompts):
         rows = torch.cat([output[index * 7500 : (index + 1) * 7500] for output in outputs])

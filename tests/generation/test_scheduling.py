@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
@@ -12,6 +11,7 @@ from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
 
 from hf_specformer import SpecFormerProposer, generate
 from hf_specformer.generation.costs import StepCostModel, cached_step_costs, profile_step_costs, step_costs_path
+from hf_specformer.generation.forwards import LoopLayers
 from hf_specformer.generation.profiling import measure_step_costs
 from hf_specformer.generation.scheduling import GoodputSchedule, num_drafts_to_verify
 
@@ -167,13 +167,29 @@ def test_profile_times_every_width_and_drafting():
     assert all(0.0005 < seconds < 0.05 for seconds in costs.draft_seconds)
 
 
-def test_measured_step_costs_of_a_real_target():
-    """The engine's own measurement on a tiny target: every width and batch size timed, all positive."""
+def test_measured_step_costs_time_the_loops_forwards():
+    """The engine's own measurement on a tiny target times what the loop runs: at each batch size a target forward
+    of w + 1 inputs per row for every width, sped up (few-row products on) and with the hidden states the drafter
+    reads, and plain decoding's forward of one input per row without them; every cost is in seconds."""
     target = make_target("llama")
     drafter = make_drafter(target)
-    costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), contextlib.nullcontext, [1, 4], 3)
-    assert len(costs.step_seconds) == 2 and all(len(row) == 4 and min(row) > 0 for row in costs.step_seconds)
-    assert min(costs.draft_seconds) > 0 and len(costs.plain_seconds) == 2 and min(costs.plain_seconds) > 0
+    layers = LoopLayers(target, [target, drafter])
+    seen = set()
+
+    def record(module, args, kwargs):
+        seen.add((tuple(kwargs["input_ids"].shape), kwargs["output_hidden_states"], layers.linears.few_rows_on))
+
+    handle = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), layers, [1, 4], 3)
+    finally:
+        handle.remove()
+    loop = {((b, w + 1), True, True) for b in (1, 4) for w in range(4)}
+    plain = {((b, 1), False, False) for b in (1, 4)}
+    assert seen == loop | plain, seen ^ (loop | plain)
+    assert costs.batch_sizes == [1, 4] and len(costs.plain_seconds) == 2 and len(costs.draft_seconds) == 2
+    assert all(len(row) == 4 for row in costs.step_seconds)
+    assert all(0 < t < 1 for t in [*costs.plain_seconds, *costs.draft_seconds, *sum(costs.step_seconds, [])])
 
 
 def test_speculation_pays_only_where_the_engine_beats_plain_decoding():

@@ -231,25 +231,27 @@ def test_sliding_cache_length_follows_compaction():
 
 
 class PatchWitness(StoppingCriteria):
-    """Records the target's attention implementation inside its forwards (a pre-hook on its first decoder layer)
-    and, at every stopping-criteria call, between them."""
+    """Records the target's attention implementation and whether its layers carry a switched forward, inside its
+    forwards (a pre-hook on its first decoder layer) and, at every stopping-criteria call, between them."""
 
     def __init__(self, target):
         self.target, self.inside, self.between = target, set(), set()
-        target.model.layers[0].register_forward_pre_hook(lambda *args: self.inside.add(self._implementation()))
+        target.model.layers[0].register_forward_pre_hook(lambda *args: self.inside.add(self._state()))
 
-    def _implementation(self) -> str:
-        return self.target.config._attn_implementation
+    def _state(self) -> tuple[str, bool]:
+        switched = "forward" in self.target.model.layers[0].mlp.up_proj.__dict__
+        return self.target.config._attn_implementation, switched
 
     def __call__(self, input_ids, scores, **kwargs):
-        self.between.add(self._implementation())
+        self.between.add(self._state())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 @pytest.mark.parametrize("cpu_speedups", [True, False])
 def test_cpu_speedups_switch(cpu_speedups):
-    """On: the loop's forwards run with grouped-query attention switched in, and the model is back to itself
-    between them; off: the model is untouched. Same output."""
+    """The loop's layers are switched for the length of the call (grouped-query attention on, or off with
+    `cpu_speedups=False`; the linear layers switched for packing either way), and the model is itself again after
+    it. Same output."""
     target = make_target("llama")
     target.config._attn_implementation = "sdpa"
     input_ids, mask = make_batch(3, seed=5)
@@ -260,8 +262,9 @@ def test_cpu_speedups_switch(cpu_speedups):
                       max_new_tokens=10, schedule="fixed", stopping_criteria=StoppingCriteriaList([witness]),
                       cpu_speedups=cpu_speedups)
     assert torch.equal(output, reference)
-    assert witness.inside == ({"hf_specformer_gqa_sdpa"} if cpu_speedups else {"sdpa"})
-    assert witness.between == {"sdpa"}
+    during = {("hf_specformer_gqa_sdpa" if cpu_speedups else "sdpa", True)}
+    assert witness.inside == during and witness.between == during
+    assert witness._state() == ("sdpa", False)
 
 
 # ----- transformers' argument names ------------------------------------------------------------------------------

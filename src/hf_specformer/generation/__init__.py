@@ -3,11 +3,10 @@
 from .drafting import OracleProposer, PromptLookupProposer, Proposal, Proposer, SpecFormerProposer
 from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
 from .generate import generate
-from .products import FewRowLinears
+from .linears import few_row_products
 from .stats import SpecStats
 
 __all__ = [
-    "FewRowLinears",
     "OracleProposer",
     "PromptLookupProposer",
     "Proposal",
@@ -15,6 +14,7 @@ __all__ = [
     "SpecFormerProposer",
     "SpecStats",
     "SpeculativeDecoderOnlyOutput",
+    "few_row_products",
     "generate",
     "speculative_decode",
 ]

@@ -6,9 +6,12 @@ queries and a mask, `transformers`' SDPA integration repeats the key/value heads
 On the CPU, torch's SDPA takes the mask and the grouped heads directly (`enable_gqa=True`) with the same result,
 bit for bit, and several times faster over long caches (README, How it works).
 
-`GroupedQueryAttention` switches a model that uses `sdpa` to this function while the engine runs and restores it
-after. On other devices (where masked GQA would leave SDPA's fast kernels), for a single query (which
-`transformers` already handles without copies) and without a mask it calls `transformers`' own SDPA function.
+`GroupedQueryAttention` switches a model that uses `sdpa` to this function for the length of a speculative call and
+restores it after. transformers picks a layer's attention function from the shared `config._attn_implementation` on
+every forward and offers no per-call choice, so the switch is that attribute, set once per call; since the function
+equals SDPA's, bit for bit, another thread running the same model meanwhile gets the same results. On other devices
+(where masked GQA would leave SDPA's fast kernels), for a single query (which `transformers` already handles without
+copies) and without a mask it calls `transformers`' own SDPA function.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The loop's target forward and the CPU speed-ups entered around it (`FewRowLinears`, `GroupedQueryAttention`)."""
+"""The loop's target forward and the layers switched around it (`LoopLayers`)."""
 
 from __future__ import annotations
 
@@ -9,34 +9,41 @@ import inspect
 import torch
 
 from .attention import GroupedQueryAttention
-from .products import FewRowLinears
+from .linears import LinearSwitch
 
 
-class CpuPatches:
-    """The loop's CPU speed-ups (`FewRowLinears` over `modules`, `GroupedQueryAttention` of `model`), a context
-    manager entered around each forward that gains from them and restored after it, also on exceptions; nothing
-    when `enabled` is False or the model is not on the CPU."""
+class LoopLayers:
+    """The layers a speculative call switches: its linear layers (`linears.LinearSwitch`: few-row products on the
+    CPU, packed verification) and, on the CPU, the target's attention (`attention.GroupedQueryAttention`).
 
-    def __init__(self, model, modules: list[torch.nn.Module], enabled: bool = True):
-        self.patches = []
-        if enabled and model.device.type == "cpu":
-            self.patches = [FewRowLinears(modules, head=model.get_output_embeddings()), GroupedQueryAttention(model)]
-        self.stack: list[contextlib.ExitStack] = []
+    `installed()` puts them in place once per call; `speedups()` and `packed(selected)` switch them around single
+    forwards. Switched off (a plain width-0 step), every layer computes what the model's own forward does.
 
-    def __enter__(self) -> "CpuPatches":
-        stack = contextlib.ExitStack()
-        for patch in self.patches:
-            stack.enter_context(patch)
-        self.stack.append(stack)
-        return self
+    Args:
+        model: the target.
+        modules: every model the call runs (target, drafter, companion): their linear layers are switched.
+        cpu_speedups: few-row products and grouped-query attention, on a CPU target only.
+    """
 
-    def __exit__(self, *exc_info) -> None:
-        self.stack.pop().close()
+    def __init__(self, model, modules: list[torch.nn.Module], cpu_speedups: bool = True):
+        self.cpu_speedups = cpu_speedups and model.device.type == "cpu"
+        head = model.get_output_embeddings() if self.cpu_speedups else None
+        self.linears = LinearSwitch(modules, head=head, few_rows=self.cpu_speedups)
+        self.attention = GroupedQueryAttention(model) if self.cpu_speedups else contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def installed(self):
+        """Inside the block the switches are in place (off); the model's own layers and attention after."""
+        with self.linears.installed(), self.attention:
+            yield self
 
-def cpu_patches(model, modules: list[torch.nn.Module], enabled: bool = True) -> CpuPatches:
-    """`CpuPatches(model, modules, enabled)`, for a `with` block."""
-    return CpuPatches(model, modules, enabled)
+    def speedups(self):
+        """Context: few-row products inside it (nothing off the CPU or with `cpu_speedups=False`)."""
+        return self.linears.few_rows()
+
+    def packed(self, selected: torch.BoolTensor, enabled: bool = True):
+        """Context: packed verification of the inputs `selected` `[B, T]` (host) inside it (`LinearSwitch.packed`)."""
+        return self.linears.packed(selected, enabled)
 
 
 @functools.cache
@@ -53,7 +60,7 @@ def cache_argument(model: torch.nn.Module, cache) -> dict:
 
 def target_forward(model, input_ids, attention_mask, position_ids, cache, output_hidden_states, logits_to_keep):
     """One target forward of the loop: logits of the last `logits_to_keep` inputs (0: all), and the hidden states
-    with `output_hidden_states`. Run it inside `cpu_patches` for the loop's speed on the CPU."""
+    with `output_hidden_states`. Run it inside `LoopLayers.speedups()` for the loop's speed on the CPU."""
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,

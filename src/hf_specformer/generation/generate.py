@@ -27,18 +27,19 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         depend on timings, so seeded sampling is reproducible in distribution only; False keeps the given costs
         (choices, and seeded samples, repeat exactly).
     cpu_speedups: on a CPU target, the loop's few-row matrix products and grouped-query attention
-        (`products.py`, `attention.py`; default True). Never applied on GPUs.
+        (`linears.py`, `attention.py`; default True). Never applied on GPUs.
     packed_verification: a step's linear layers compute only the inputs it verifies, and the goodput scheduler
-        picks (row, draft) pairs by their cost in inputs (`packing.py`; default True); False: padded steps.
+        picks (row, draft) pairs by their cost in inputs (`linears.py`; default True); False: padded steps.
     confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative draft
         probability is at least this (default 0: all k; looked-up drafts count as certain).
+    kernel_backend: verification's kernels: "auto" (Triton on CUDA), "triton" or "torch" (`hf_specformer.kernels`;
+        default: `$HF_SPECFORMER_KERNELS`, else "auto").
 transformers' names are accepted too, as arguments or in a `GenerationConfig`: `num_assistant_tokens` (k),
 `assistant_confidence_threshold`, `max_matching_ngram_size` (lookup n-gram), `prompt_lookup_num_tokens` (lookup
 on, k; 0: off) and `num_assistant_tokens_schedule` ("constant": fixed, "heuristic": goodput).
 Outputs are those of `generate`; with `return_dict_in_generate=True` the output also has `speculation_stats`
 (`SpecStats`: steps, tokens per step per row, acceptance per drafted position, widths chosen, predicted vs
-realised acceptance). After every call the same statistics are on the assistant as
-`assistant_model.speculation_stats`.
+realised acceptance); nothing is stored on the models.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def generate(
     cpu_speedups: bool = True,
     packed_verification: bool = True,
     cost_feedback: bool = True,
+    kernel_backend: str | None = None,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -186,7 +188,7 @@ def generate(
     speculation = SpeculationConfig.from_arguments(
         config, num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule,
         compaction_hole_fraction=compaction_hole_fraction, step_costs=step_costs, cpu_speedups=cpu_speedups,
-        packed_verification=packed_verification, cost_feedback=cost_feedback,
+        packed_verification=packed_verification, cost_feedback=cost_feedback, kernel_backend=kernel_backend,
     )
     generation_config = _without(generation_config, kwargs, TRANSFORMERS_NAMES)
     input_ids = inputs if inputs is not None else unused.get("input_ids")
@@ -214,6 +216,4 @@ def generate(
         acceptance_table=_acceptance_table(assistant_model, companion) if speculation.schedule == "goodput" else None,
         **kwargs,
     )
-    if assistant_model is not proposer:
-        assistant_model.speculation_stats = proposer.stats
     return result

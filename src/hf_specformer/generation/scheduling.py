@@ -15,7 +15,7 @@ Every verified draft is a row of the target forward, accepted or not. Three sche
 Choices where the paper is silent or does not fit this engine:
 - Expected committed tokens are B + sum_b sum_{j <= w_b} q_{b,j}: the paper's goodput counts accepted drafts only,
   which cannot compare a speculative step with a plain one (every row commits one token either way).
-- Packed verification (the default, `packing.py`): a step's linear layers compute only the inputs it verifies, so
+- Packed verification (the default, `linears.py`): a step's linear layers compute only the inputs it verifies, so
   its cost depends on the inputs fed in all, T = B + sum_b n_b. The paper's batch greedy applies as written: the
   (row, position) candidates by decreasing q_{b,j}, and the prefix of them that maximises (B + gain) / t(B, T).
   t(B, T) is t(B, w) at the fractional width T / B - 1, interpolated between the widths measured (the attention,

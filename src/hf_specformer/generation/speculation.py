@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 
 from .costs import StepCostModel
 from .scheduling import CONFIDENCE_THRESHOLD
+from .verification import KERNEL_BACKENDS
 
 LOOKUP_NGRAM_SIZE = 4
 """Default longest n-gram of prompt lookup (see `PromptLookupProposer` for the measurement behind it)."""
@@ -45,9 +46,10 @@ class SpeculationConfig:
         step_costs: the goodput scheduler's `StepCostModel` (or its dict, or a saved file); None: those cached for
             this machine, else learnt from the call's own steps.
         cpu_speedups: on a CPU target, the loop's few-row products and grouped-query attention.
-        packed_verification: a step's linear layers compute only the inputs it verifies (`packing.py`).
+        packed_verification: a step's linear layers compute only the inputs it verifies (`linears.py`).
         cost_feedback: the goodput scheduler learns step costs from the call's steps and hands a losing call over
             to plain steps (`feedback.py`).
+        kernel_backend: verification's kernels, one of `KERNEL_BACKENDS` (None: `HF_SPECFORMER_KERNELS`).
     """
 
     num_draft_tokens: int | None = None
@@ -59,6 +61,7 @@ class SpeculationConfig:
     cpu_speedups: bool = True
     packed_verification: bool = True
     cost_feedback: bool = True
+    kernel_backend: str | None = None
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "lookup_ngram_size"):
@@ -78,6 +81,8 @@ class SpeculationConfig:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}.")
         if self.schedule == "goodput" and self.confidence_threshold > 0:
             raise ValueError("confidence_threshold applies to schedule='fixed'; the goodput scheduler sets its own.")
+        if self.kernel_backend not in (None, *KERNEL_BACKENDS):
+            raise ValueError(f"kernel_backend={self.kernel_backend!r} must be one of {KERNEL_BACKENDS}.")
 
     @classmethod
     def from_arguments(

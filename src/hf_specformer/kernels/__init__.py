@@ -7,11 +7,12 @@
 - `rms_norm.py`: the drafter's grouped RMSNorm (4 hooked states, each with its own scale) written straight into
   their concatenation. Reference: `SpecFormerGroupedRMSNorm` in `models/specformer/modeling_specformer.py`.
 
-`HF_SPECFORMER_KERNELS` picks the implementation: `torch` (the references), `triton` (the kernels; on a CPU they run
-under Triton's interpreter: start Python with `TRITON_INTERPRET=1`, since Triton reads it when it is first imported,
-which loading a transformers model already does),
-or `auto` (default: Triton for CUDA tensors when Triton imports, the references elsewhere). Where Triton is not
-installed every backend falls back to the references, so remote code and CPU-only installs keep working.
+A backend picks the implementation: `torch` (the references), `triton` (the kernels; on a CPU they run under
+Triton's interpreter, so start Python with `TRITON_INTERPRET=1`: Triton reads it when it is first imported, which
+loading a transformers model already does), or `auto` (Triton for CUDA tensors, the references elsewhere). Callers
+pass it explicitly (`generate(..., kernels=...)`); where they pass None it is `HF_SPECFORMER_KERNELS` (default
+`auto`). Nothing here writes the environment. Where Triton is not installed every backend falls back to the
+references, so remote code and CPU-only installs keep working.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import sys
 
 import torch
 
@@ -27,11 +27,15 @@ KERNELS_ENV = "HF_SPECFORMER_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
 
 
-def kernel_backend() -> str:
-    """The backend asked for by `HF_SPECFORMER_KERNELS` (default `auto`); ValueError for another value."""
-    backend = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+def kernel_backend(backend: str | None = None) -> str:
+    """`backend`, or where it is None the one `HF_SPECFORMER_KERNELS` asks for (default `auto`); ValueError for a
+    name not in `BACKENDS`."""
+    source = "kernels" if backend is not None else KERNELS_ENV
+    if backend is None:
+        backend = os.environ.get(KERNELS_ENV, "auto")
+    backend = backend.strip().lower() or "auto"
     if backend not in BACKENDS:
-        raise ValueError(f"{KERNELS_ENV}={backend!r}; choose one of {BACKENDS}.")
+        raise ValueError(f"{source}={backend!r}; choose one of {BACKENDS}.")
     return backend
 
 
@@ -39,24 +43,20 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether the kernels serve an input on `tensor`'s device under the current backend."""
-    backend = kernel_backend()
+def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether the kernels serve an input on `tensor`'s device under `backend` (None: `kernel_backend()`'s).
+    ValueError for `triton` on the CPU without `TRITON_INTERPRET=1` (Triton reads it once, at import)."""
+    backend = kernel_backend(backend)
     if backend == "torch" or not triton_available():
         return False
     if backend == "auto":
         return tensor.device.type == "cuda"
     if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        if "triton" in sys.modules:  # Triton decides at import time whether its functions are interpreted
-            raise ValueError(
-                f"{KERNELS_ENV}=triton on the CPU runs the kernels in Triton's interpreter: start Python with "
-                "TRITON_INTERPRET=1 (Triton was already imported without it)."
-            )
-        os.environ["TRITON_INTERPRET"] = "1"
+        raise ValueError("The triton kernel backend on the CPU runs the kernels in Triton's interpreter: start Python "
+                         "with TRITON_INTERPRET=1.")
     return True
 
 
 def load(name: str):
-    """The kernel module `hf_specformer.kernels.<name>`, imported on first use (after `use_triton` set the
-    interpreter where needed)."""
+    """The kernel module `hf_specformer.kernels.<name>`, imported on first use."""
     return importlib.import_module(f"{__name__}.{name}")

@@ -55,8 +55,10 @@ def evaluate_kappa(
     `dataset` yields rows with `input_ids` (already cut to length) and `prompt_length`. The walk of each sequence
     starts at its last prompt position (where the target emits the first reply token) and counts the target's own
     token, which equals the label because the data is the target's greedy output. kappa(k) = total steps' tokens /
-    number of steps over all sequences, in [1, k + 1]. Returns `{"kappa": [max_k floats], "slot_accuracy":
-    [max_k floats], "num_sequences": int, "num_positions": int}`.
+    number of steps over all sequences, in [1, k + 1]. `slot_accuracy[j]`: slot j's top-1 accuracy at every
+    position; `slot_acceptance[j]`: the share of the k = max_k walk's steps that accept slot j (all slots before it
+    accepted too), which is what live decoding reports (`SpecStats.acceptance_by_position`). Returns `{"kappa",
+    "slot_accuracy", "slot_acceptance": [max_k floats], "num_steps", "num_sequences", "num_positions": int}`.
     """
     was_training = drafter.training
     drafter.eval()
@@ -79,9 +81,13 @@ def evaluate_kappa(
         num_sequences += 1
         num_positions += drafts.shape[0]
     drafter.train(was_training)
+    walk = torch.tensor(steps[-1], dtype=torch.float64)
     return {
         "kappa": [sum(s) / len(s) if s else float("nan") for s in steps],
         "slot_accuracy": (hits / counts.clamp(min=1)).tolist(),
+        "slot_acceptance": [float((walk >= slot + 2).double().mean()) if len(walk) else float("nan")
+                            for slot in range(max_k)],
+        "num_steps": len(walk),
         "num_sequences": num_sequences,
         "num_positions": num_positions,
     }

@@ -31,9 +31,8 @@ from .caching import PreallocatedCache
 from .committing import Committer, pad_token_id
 from .drafting import Proposal, Proposer
 from .feedback import StepClock
-from .forwards import CpuPatches, target_forward
+from .forwards import LoopLayers, target_forward
 from .host import HostReads
-from .packing import PackedLinears
 from .planning import draft_distributions, make_estimator, make_schedule, plan_step, select_tokens
 from .processing import RaggedLogitsProcessor
 from .profiling import remember_costs, step_cost_profile
@@ -127,9 +126,9 @@ def speculative_decode(
             or, before transformers 5.24, `past_key_values`).
     Returns:
         `[B, P + N]` sequences padded with `pad_token_id` after each row's end, or a `SpeculativeDecoderOnlyOutput`
-        when `generation_config.return_dict_in_generate`. On a CPU target the loop's forwards run with the CPU
-        speed-ups (`forwards.CpuPatches`, restored after each forward, also on exceptions) unless
-        `speculation.cpu_speedups` is False.
+        when `generation_config.return_dict_in_generate`. The loop's layers are switched for the call
+        (`forwards.LoopLayers`: few-row products and grouped-query attention on a CPU target unless
+        `speculation.cpu_speedups` is False, packed verification) and restored after it, also on exceptions.
     """
     speculation = speculation or SpeculationConfig()
     if proposer is None:
@@ -137,31 +136,32 @@ def speculative_decode(
     if companion is not None and speculation.schedule != "goodput":
         raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
     modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
-    patches = CpuPatches(model, modules, speculation.cpu_speedups)
+    layers = LoopLayers(model, modules, speculation.cpu_speedups)
     if proposer.num_draft_tokens == 0:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
     estimator = make_estimator(acceptance_table, companion, proposer.num_draft_tokens, input_ids.device) \
         if speculation.schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
-    profile = step_cost_profile(model, proposer, bool(patches.patches), input_ids.shape[0], speculation.step_costs)
+    profile = step_cost_profile(model, proposer, layers.cpu_speedups, input_ids.shape[0], speculation.step_costs)
     scheduler = make_schedule(speculation, proposer.num_draft_tokens, profile, expected)
     if not scheduler.speculation_pays(input_ids.shape[0]):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
-    output = _decode(
-        model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-        speculation, scheduler, estimator, companion, patches, profile, model_kwargs,
-    )
+    with layers.installed():
+        output = _decode(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
+            speculation, scheduler, estimator, companion, layers, profile, model_kwargs,
+        )
     if speculation.step_costs is None:
-        remember_costs(scheduler, model, proposer, bool(patches.patches), input_ids.shape[0])
+        remember_costs(scheduler, model, proposer, layers.cpu_speedups, input_ids.shape[0])
     return output
 
 
 def _plain_decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer, model_kwargs
 ):
-    """transformers' own decoding loop (`GenerationMixin._sample`), untouched by this package's CPU patches: what
+    """transformers' own decoding loop (`GenerationMixin._sample`), with no layer switched: what
     a call runs with k = 0, or when the goodput scheduler predicts that no width pays at its batch size."""
     stats = proposer.stats = SpecStats(num_draft_tokens=proposer.num_draft_tokens, plain_decoding=True)
     if streamer is not None:
@@ -179,11 +179,11 @@ def _plain_decode(
 
 def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-    speculation, scheduler, estimator, companion, patches, profile, model_kwargs,
+    speculation, scheduler, estimator, companion, layers, profile, model_kwargs,
 ):
     """The body of `speculative_decode`: prefill, then verification steps until every row has finished. A step that
-    verifies nothing runs `transformers`' own forward (no CPU patches) and the proposer defers its work, so it costs
-    what a plain decoding step does; every step is timed for the schedule (`feedback.py`)."""
+    verifies nothing runs with the layers switched off (the model's own computation) and the proposer defers its
+    work, so it costs what a plain decoding step does; every step is timed for the schedule (`feedback.py`)."""
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
     if not isinstance(given, DynamicCache) or given.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
@@ -201,7 +201,6 @@ def _decode(
     stats = proposer.stats = SpecStats(num_draft_tokens=k)
     proposer.start(capacity)
     caches = _caches(cache, proposer)
-    packed_linears = PackedLinears(model)
     clock = StepClock(input_ids.device)
     reads = HostReads()
     if speculative_streamer is not None:
@@ -209,7 +208,7 @@ def _decode(
 
     # Prefill: the prompt through the target; its last position gives the first token, the proposer the first drafts.
     position_ids = batch.prompt_position_ids()
-    with patches:
+    with layers.speedups():
         output = target_forward(
             model, input_ids, batch.attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=1
         )
@@ -217,7 +216,7 @@ def _decode(
     first = select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
     batch.finished = commit(batch, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, input_ids.shape[1] - 1)
-    proposal = _propose(scheduler, proposer, patches, batch, output, position_ids, source_index)
+    proposal = _propose(scheduler, proposer, layers, batch, output, position_ids, source_index)
     source_states = _source_states(output, source_index) if companion is not None else None
     batch.refresh(reads)
     proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
@@ -240,7 +239,7 @@ def _decode(
         attention_mask, position_ids = batch.step_inputs(width + 1)
         if width:
             verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
-            with patches, packed_linears.select(verified, speculation.packed_verification):
+            with layers.speedups(), layers.packed(verified, speculation.packed_verification):
                 output = target_forward(
                     model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
                 )
@@ -250,9 +249,10 @@ def _decode(
         if do_sample:
             target_probs = target_scores.softmax(-1)
             q = draft_distributions(draft_ids, sources, draft_probs, target_probs.shape[-1])
-            tokens, num_accepted = verify_sampling(draft_ids, q, target_probs, num_drafts)
+            tokens, num_accepted = verify_sampling(draft_ids, q, target_probs, num_drafts,
+                                                     kernel_backend=speculation.kernel_backend)
         else:
-            tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts)
+            tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts, speculation.kernel_backend)
         if estimator is not None and predicted is not None:
             estimator.observe(num_accepted, num_drafts)
         live = ~batch.finished
@@ -261,7 +261,7 @@ def _decode(
         batch.finished = commit(batch, tokens, num_accepted + 1)
         step_size = batch.size
         clock.mark()
-        proposal = _propose(scheduler, proposer, patches, batch, output, position_ids, num_accepted)
+        proposal = _propose(scheduler, proposer, layers, batch, output, position_ids, num_accepted)
         source_states = _source_states(output, num_accepted) if companion is not None else None
         step_counts = batch.refresh(reads, num_drafts.sum(), num_accepted.sum(), live.sum())
         proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
@@ -280,7 +280,7 @@ def _decode(
     return sequences
 
 
-def _propose(scheduler: Schedule, proposer: Proposer, patches, batch: RaggedBatch, output, position_ids,
+def _propose(scheduler: Schedule, proposer: Proposer, layers: LoopLayers, batch: RaggedBatch, output, position_ids,
              source_index) -> Proposal | None:
     """The proposer's work after a target forward, as the schedule wants it for the next step: its proposal (the
     network drafting or not, `should_draft`), or None when the next step is plain (nothing proposed, `skip`)."""
@@ -288,7 +288,7 @@ def _propose(scheduler: Schedule, proposer: Proposer, patches, batch: RaggedBatc
         proposer.skip(batch, output.hidden_states, position_ids, source_index)
         return None
     drafting = scheduler.should_draft(batch.size)  # rows finishing now included: a cost estimate, not worth a sync
-    with patches if drafting else contextlib.nullcontext():
+    with layers.speedups() if drafting else contextlib.nullcontext():
         return proposer.propose(batch, output.hidden_states, position_ids, source_index, draft=drafting)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .caching import PreallocatedCache
 from .drafting import Proposer
-from .forwards import target_forward
+from .forwards import LoopLayers, target_forward
 from .costs import PROFILE_CONTEXT, StepCostModel, cached_step_costs, profile_step_costs, step_costs_path
 from .scheduling import GoodputSchedule, Schedule
 
@@ -32,11 +32,13 @@ def _random_cache(config, batch_size: int, length: int, capacity: int, dtype, de
     return cache
 
 
-def measure_step_costs(model, proposer: Proposer, patches, batch_sizes: list[int], max_width: int) -> StepCostModel:
+def measure_step_costs(
+    model, proposer: Proposer, layers: LoopLayers, batch_sizes: list[int], max_width: int
+) -> StepCostModel:
     """Times, over a cache of `PROFILE_CONTEXT` random columns at each batch size: the loop's target forward of
     w + 1 inputs per row (w = 0..max_width, with the hidden states the proposer reads and the float32 argmax of its
-    logits) inside `patches()` (the loop's CPU speed-ups); the proposer's drafting, likewise; and plain decoding's
-    forward of one input per row, outside them (what `_plain_decode` runs)."""
+    logits) with `layers` installed and sped up (the loop's CPU speed-ups); the proposer's drafting, likewise; and
+    plain decoding's forward of one input per row, without them (what `_plain_decode` runs)."""
     device, vocab = model.device, model.config.get_text_config().vocab_size
     caches = {}
 
@@ -54,11 +56,11 @@ def measure_step_costs(model, proposer: Proposer, patches, batch_sizes: list[int
         cache.crop(-(width + 1))
 
     def step(batch_size: int, width: int) -> None:
-        with patches():
+        with layers.installed(), layers.speedups():
             forward(batch_size, width, proposer.requires_hidden_states)
 
     def draft(batch_size: int) -> None:
-        with patches():
+        with layers.installed(), layers.speedups():
             proposer.profile_draft(batch_size)
 
     return profile_step_costs(step, draft, batch_sizes, max_width, lambda: _synchronize(device),

@@ -31,7 +31,7 @@ class SpecStats:
             `accepted` it gives predicted vs realised acceptance; 0 for schedules that estimate nothing).
         drafting_steps: steps whose drafts came from running the drafter (the rest skipped its slot stage).
         padding: inputs fed after a row's verified drafts to fill the step's rectangle (rows verifying fewer drafts
-            than the widest); with packed verification the linear layers skip them (`packing.py`).
+            than the widest); with packed verification the linear layers skip them (`linears.py`).
         plain_decoding: the goodput scheduler predicted that no width pays at this batch size, so the call ran
             plain decoding (every step width 0, no drafter).
         seconds_by_width: `[k + 1]` seconds the loop spent in steps of width w (measured, drafting included).

@@ -35,6 +35,9 @@ try:  # optional fused kernels of the hf_specformer package; absent where this f
 except ImportError:
     _kernels = None
 
+KERNEL_BACKENDS = _kernels.BACKENDS if _kernels is not None else ("auto", "torch")
+"""Kernel backends (`hf_specformer.kernels`); `triton` needs the installed package, not only this remote code."""
+
 EMPTY_SLOT = -1
 
 
@@ -53,10 +56,11 @@ def _verified(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None) 
     return (positions < (draft_ids.shape[1] if num_drafts is None else num_drafts[:, None])).expand_as(draft_ids)
 
 
-def _kernels_for(tensor: torch.Tensor):
-    """The fused kernels (`hf_specformer.kernels.verification`) when the package is installed and its dispatcher
-    picks Triton for `tensor`; None: the PyTorch code below (also where this file runs as Hub remote code)."""
-    if _kernels is None or not _kernels.use_triton(tensor):
+def _kernels_for(tensor: torch.Tensor, backend: str | None):
+    """The fused kernels (`hf_specformer.kernels.verification`) when the package is installed and `backend` (None:
+    `HF_SPECFORMER_KERNELS`) picks Triton for `tensor`; None: the PyTorch code below (also where this file runs as
+    Hub remote code)."""
+    if _kernels is None or not _kernels.use_triton(tensor, backend):
         return None
     return _kernels.load("verification")
 
@@ -68,11 +72,14 @@ def _num_drafts(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None
 
 
 def verify_greedy(
-    draft_ids: torch.LongTensor, target_scores: torch.Tensor, num_drafts: torch.LongTensor | None = None
+    draft_ids: torch.LongTensor,
+    target_scores: torch.Tensor,
+    num_drafts: torch.LongTensor | None = None,
+    kernel_backend: str | None = None,
 ):
     """draft_ids `[B, k]`, target_scores `[B, k + 1, V]`, num_drafts `[B]` (None: all k) -> tokens `[B, k + 1]`,
-    num_accepted `[B]`."""
-    kernels = _kernels_for(target_scores)
+    num_accepted `[B]`. `kernel_backend`: one of `KERNEL_BACKENDS` (None: `HF_SPECFORMER_KERNELS`)."""
+    kernels = _kernels_for(target_scores, kernel_backend)
     if kernels is not None:
         return kernels.greedy_verification(draft_ids, target_scores, _num_drafts(draft_ids, num_drafts), EMPTY_SLOT)
     predictions = target_scores.argmax(dim=-1)  # [B, k + 1]
@@ -88,6 +95,7 @@ def verify_sampling(
     target_probs: torch.Tensor,
     num_drafts: torch.LongTensor | None = None,
     generator: torch.Generator | None = None,
+    kernel_backend: str | None = None,
 ):
     """Speculative sampling for a batch of chains.
 
@@ -97,12 +105,13 @@ def verify_sampling(
         target_probs: `[B, k + 1, V]` p, the processed target distributions at the k drafted positions and after.
         num_drafts: `[B]` drafts verified per row (None: all k).
         generator: the source of the uniforms (torch's default generator when None).
+        kernel_backend: one of `KERNEL_BACKENDS` (None: `HF_SPECFORMER_KERNELS`).
     Returns:
         tokens `[B, k + 1]`, num_accepted `[B]`.
     """
     batch, k = draft_ids.shape
     uniforms = torch.rand((batch, k + 1), dtype=torch.float64, device=target_probs.device, generator=generator)
-    kernels = _kernels_for(target_probs)
+    kernels = _kernels_for(target_probs, kernel_backend)
     if kernels is not None:
         return kernels.sampling_verification(draft_ids, draft_probs, target_probs, _num_drafts(draft_ids, num_drafts),
                                              uniforms[:, :k], uniforms[:, k], EMPTY_SLOT)
