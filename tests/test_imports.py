@@ -15,7 +15,7 @@ ALLOWED = {
     "kernels": {"kernels"},
     "hub": {"hub", "models", "generation"},
     "training": {"training", "models", "generation", "hub", "targets", "prompts", "records", "assistants",
-                 "batch_generation"},
+                 "batching", "batch_generation"},
 }
 BUNDLED_EXTERNAL = {"torch", "transformers", "numpy"} | set(sys.stdlib_module_names)
 """What Hub remote code may import: torch, transformers, numpy (which transformers requires), the standard library."""

@@ -1,4 +1,4 @@
-"""`hf-specformer` command line: demo, generate, synthesize, distill, train, calibrate, bench, export.
+"""`hf-specformer` command line: demo, generate, synthesize, distill, train, calibrate, bench, eval-drafter, export.
 
     hf-specformer demo                      SmolLM2 + the shipped drafter: identical outputs, speedup
     hf-specformer synthesize --output F     the target writes user prompts itself (Magpie; resumable)
@@ -8,6 +8,7 @@
     hf-specformer train-companion ...       train a Speculative Verification companion (also under accelerate)
     hf-specformer calibrate --data DIR ...  acceptance tables of drafter and companion, estimator comparison
     hf-specformer bench --oracle ...        side-by-side benchmark, JSON + PNG
+    hf-specformer eval-drafter ...          a drafter's acceptance per category, teacher-forced and live
     hf-specformer export --drafter DIR ...  Hub folder: weights, code, custom_generate/, model card
     hf-specformer export-companion ...      a companion's Hub folder: weights, table, code, model card
 """
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             "hf_specformer.training.train_companion", fromlist=["main"]).main(rest),
         "calibrate": lambda rest: __import__("hf_specformer.training.calibrate", fromlist=["main"]).main(rest),
         "bench": lambda rest: __import__("hf_specformer.bench", fromlist=["main"]).main(rest),
+        "eval-drafter": lambda rest: __import__("hf_specformer.drafter_eval", fromlist=["main"]).main(rest),
         "export": _export,
         "export-companion": _export_companion,
     }

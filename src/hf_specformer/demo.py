@@ -10,7 +10,6 @@ a plot of the timings (`outputs/demo.png`).
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from .assistants import load_drafter
 from .generation import generate
 from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .prompts import chat_prompt_ids, load_prompts
-from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, synchronize
+from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, timed
 from .ties import classify_rows
 
 
@@ -35,14 +34,6 @@ def show_drafts(target, drafter, tokenizer, prompt: str, k: int) -> None:
     print(f"prompt: {prompt!r}")
     print(f"target's next token: {tokenizer.decode(first[0])!r}; drafter proposes the {k} after it: "
           f"{[tokenizer.decode(t) for t in drafts]}")
-
-
-def timed_generate(fn, device: torch.device) -> tuple[torch.Tensor, float]:
-    synchronize(device)
-    start = time.perf_counter()
-    output = fn()
-    synchronize(device)
-    return output, time.perf_counter() - start
 
 
 def run_demo(args: argparse.Namespace) -> dict:
@@ -100,8 +91,8 @@ def compare_at_batch_size(target, tokenizer, drafter, prompts: list[str], k: int
     inputs = tokenizer(texts, return_tensors="pt", padding=True).to(target.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up
-    plain, plain_seconds = timed_generate(lambda: target.generate(**inputs, **kwargs), target.device)
-    spec, spec_seconds = timed_generate(lambda: generate(
+    plain, plain_seconds = timed(lambda: target.generate(**inputs, **kwargs), target.device)
+    spec, spec_seconds = timed(lambda: generate(
         target, **inputs, assistant_model=drafter, num_draft_tokens=k, lookup_ngram_size=args.lookup_ngram_size,
         schedule=args.schedule, return_dict_in_generate=True, **kwargs,
     ), target.device)

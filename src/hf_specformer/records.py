@@ -20,6 +20,12 @@ from transformers import PreTrainedModel
 
 RECORDS_FILE = "records.jsonl"
 RECORDS_PATTERN = "records*.jsonl"
+PROGRESS_DIR = "progress"
+"""A generation job's output folder: its records and `META_FILE` under `PROGRESS_DIR`, and once complete the
+`datasets` folder `DATASET_DIR` and `GENERATIONS_FILE`."""
+META_FILE = "meta.json"
+DATASET_DIR = "dataset"
+GENERATIONS_FILE = "generations.jsonl"
 
 
 def records_file(directory: str, process_index: int = 0) -> str:

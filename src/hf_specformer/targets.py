@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -63,6 +64,15 @@ def synchronize(device: torch.device | str) -> None:
     """Waits for the device's queued work (CUDA), so wall-clock timings include it; nothing on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device | str):
+    """(fn(), its wall-clock seconds including the device's queued work)."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - start
 
 
 def load_target(

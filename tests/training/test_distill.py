@@ -11,7 +11,7 @@ import torch
 from conftest import CHAT_PROMPTS, tiny_chat_target
 from datasets import load_from_disk
 
-from hf_specformer.batch_generation import cut_after_eos
+from hf_specformer.batching import cut_after_eos
 from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.records import append_records, read_records
 from hf_specformer.training.distill import distill

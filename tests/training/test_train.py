@@ -33,7 +33,8 @@ from hf_specformer.training.target_states import (
     hooked_target_states,
     target_hidden_states,
 )
-from hf_specformer.training.train_drafter import build_drafter, build_optimizer, train
+from hf_specformer.training.optimization import build_optimizer
+from hf_specformer.training.train_drafter import build_drafter, train
 
 CYCLE = list(range(10, 17))
 

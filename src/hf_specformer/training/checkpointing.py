@@ -9,6 +9,7 @@ out-of-memory kill, a lost node) resumes exactly.
   `ValueError` that names it and the previous checkpoint to resume from (delete the damaged folder).
 - The metrics log is appended line by line; a line torn by a kill is dropped on resume, and the log is cut back to
   the checkpoint's step by writing a new file and renaming it over the old one.
+- `StopOnSignal`: SIGTERM or Ctrl-C lets the run finish its optimiser step and checkpoint before it exits.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 
 logger = logging.getLogger(__name__)
@@ -162,3 +166,41 @@ def append_metrics(path: Path, record: dict) -> None:
     """Appends one JSON line to the metrics log."""
     with path.open("a") as handle:
         handle.write(json.dumps(record) + "\n")
+
+
+class StopOnSignal:
+    """Within its `with` block, SIGTERM and SIGINT set `requested` instead of ending the process, so that training
+    can finish its optimiser step and checkpoint. A second signal ends the process as usual. Outside the main
+    thread (where Python cannot handle signals) it does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def _handle(self, number: int, frame) -> None:
+        if self.requested:
+            self.__exit__()
+            signal.raise_signal(number)
+            return
+        self.requested = True
+        logger.warning("%s received: stopping after this optimiser step (again to stop at once)",
+                       signal.Signals(number).name)
+
+    def agreed(self, accelerator: Accelerator) -> bool:
+        """Whether any process was asked to stop (every process must stop at the same step)."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)

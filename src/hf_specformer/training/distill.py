@@ -20,7 +20,6 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specformer.batch_generation import (
-    DATASET_DIR,
     GenerationSettings,
     add_length_arguments,
     add_prompt_arguments,
@@ -29,6 +28,7 @@ from hf_specformer.batch_generation import (
 )
 from hf_specformer.generation.speculation import LOOKUP_NGRAM_SIZE
 from hf_specformer.prompts import load_prompts
+from hf_specformer.records import DATASET_DIR
 
 logger = logging.getLogger(__name__)
 

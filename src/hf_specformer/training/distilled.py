@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from hf_specformer.batch_generation import DATASET_DIR, PROGRESS_DIR
+from hf_specformer.records import DATASET_DIR, PROGRESS_DIR
 from hf_specformer.records import read_all_records
 
 

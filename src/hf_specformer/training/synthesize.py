@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_specformer.batch_generation import batch_seed, cut_after_eos, eos_token_ids
+from hf_specformer.batching import batch_seed, cut_after_eos, eos_token_ids
 from hf_specformer.records import append_records, check_or_write_meta, read_records, target_fingerprint
 from hf_specformer.targets import add_target_arguments, target_from_args
 

@@ -31,7 +31,8 @@ from hf_specformer.targets import DEFAULT_TARGET, load_target
 from hf_specformer.training.checkpointing import TrainerState, list_checkpoints, restore_checkpoint, save_checkpoint
 from hf_specformer.training.distilled import load_distilled, split_train_eval
 from hf_specformer.training.target_states import reply_positions, target_hidden_states, tokens_after
-from hf_specformer.training.train_drafter import StopOnSignal, warmup_cosine
+from hf_specformer.training.checkpointing import StopOnSignal
+from hf_specformer.training.optimization import warmup_cosine
 
 logger = logging.getLogger(__name__)
 

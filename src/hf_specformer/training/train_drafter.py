@@ -32,11 +32,9 @@ import json
 import logging
 import math
 import random
-import signal
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +50,7 @@ from hf_specformer.hub.export import export_drafter
 from hf_specformer.models.specformer import SpecFormerConfig, SpecFormerForDrafting
 from hf_specformer.targets import DTYPES, load_target
 from hf_specformer.training.checkpointing import (
+    StopOnSignal,
     TrainerState,
     append_metrics,
     list_checkpoints,
@@ -71,6 +70,7 @@ from hf_specformer.training.distilled import (
     split_train_eval,
 )
 from hf_specformer.training.evaluation import evaluate_kappa
+from hf_specformer.training.optimization import build_optimizer, warmup_cosine
 from hf_specformer.training.losses import SlotLosses, intra_batch_backward, sample_positions, slot_labels
 from hf_specformer.training.target_states import TargetStateCache, future_states, next_token_ids
 
@@ -80,38 +80,6 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
 DRAFTER_DIR = "drafter"
 ADAPTER_DIR = "adapter"
-
-
-# ----- learning rate -------------------------------------------------------------------------------------------
-def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
-    """LambdaLR factor: linear warm-up over `ceil(warmup_ratio * total_steps)` steps, then cosine to `min_ratio`."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_optimizer(
-    drafter: torch.nn.Module, config: DrafterTrainingConfig, new_parameters: frozenset[str] = frozenset()
-) -> torch.optim.AdamW:
-    """AdamW with weight decay on the weight matrices only; the parameters named in `new_parameters` at
-    `config.new_parameter_learning_rate_scale` times the learning rate."""
-    groups = []
-    for is_new in (False, True):
-        lr = config.learning_rate * (config.new_parameter_learning_rate_scale if is_new else 1.0)
-        parameters = [p for name, p in drafter.named_parameters()
-                      if p.requires_grad and (name in new_parameters) == is_new]
-        groups += [
-            {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": config.weight_decay, "lr": lr},
-            {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0, "lr": lr},
-        ]
-    return torch.optim.AdamW([group for group in groups if group["params"]], lr=config.learning_rate,
-                             eps=config.adam_eps)
 
 
 # ----- training ------------------------------------------------------------------------------------------------
@@ -125,44 +93,6 @@ class TrainingResult:
     state: TrainerState
     evaluation: dict
     completed: bool = True
-
-
-class StopOnSignal:
-    """Within its `with` block, SIGTERM and SIGINT set `requested` instead of ending the process, so that training
-    can finish its optimiser step and checkpoint. A second signal ends the process as usual. Outside the main
-    thread (where Python cannot handle signals) it does nothing."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested = False
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "StopOnSignal":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous = {}
-
-    def _handle(self, number: int, frame) -> None:
-        if self.requested:
-            self.__exit__()
-            signal.raise_signal(number)
-            return
-        self.requested = True
-        logger.warning("%s received: stopping after this optimiser step (again to stop at once)",
-                       signal.Signals(number).name)
-
-    def agreed(self, accelerator: Accelerator) -> bool:
-        """Whether any process was asked to stop (every process must stop at the same step)."""
-        if accelerator.num_processes == 1:
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
 def build_drafter(

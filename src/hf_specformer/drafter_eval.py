@@ -1,0 +1,215 @@
+"""`hf-specformer eval-drafter`: a drafter's acceptance on the same texts, teacher-forced and live, per category.
+
+    hf-specformer eval-drafter [--drafter DIR] [--prompts F ...] [--max-new-tokens 128] [--num-draft-tokens 3]
+                               [--with-lookup] --output bench/drafter_eval
+
+Every prompt is answered by the target's plain greedy `generate` at B = 1 (chat template); that text is then scored
+two ways:
+- teacher-forced (`training.evaluation.evaluate_kappa`): one target forward over prompt + answer, the drafter drafts
+  at every position from those states, and the walk of k-draft steps from the last prompt position (as decoding goes)
+  counts the accepted drafts;
+- live: speculative `generate` at B = 1, `schedule="fixed"` (every step verifies k drafts), prompt lookup off. Its
+  output must equal the plain answer (a mismatch is counted and reported).
+Both report per-slot acceptance, cumulative as decoding sees it (slot j counts when it and every slot before it were
+accepted, per step), and kappa (tokens per step). Live and teacher-forced read the same drafter on the same states,
+so they differ only by the walk's last steps (the teacher-forced walk stops where fewer than k labels remain) and
+floating-point rounding: a gap above `MAX_GAP` means the live path computes something else than training measures,
+a bug to find, not a data problem. `--with-lookup` adds a live run with prompt lookup on top of the drafter.
+
+Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
+each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
+shipped in this package. Writes `<output>.json` and `<output>.png` (slot-1 acceptance and kappa per group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .assistants import load_drafter
+from .batching import cut_after_eos, eos_token_ids
+from .generation import generate
+from .prompts import (
+    DEFAULT_PROMPTS_FILE,
+    chat_prompt_ids,
+    find_shared_data,
+    labelled_prompts,
+)
+from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer
+from .training.evaluation import evaluate_kappa
+
+MAX_GAP = 0.05
+"""Largest |live - teacher-forced| slot acceptance on the same texts that is not a bug."""
+
+MTBENCH_PROMPTS = "spec_bench_mtbench.jsonl"
+ALL = "all"
+
+
+@dataclass
+class LiveTally:
+    """Live decoding of one group: accepted drafts per slot, steps and committed tokens, rows unlike plain."""
+
+    num_slots: int
+    accepted_at: list[int] = field(default_factory=list)
+    steps: int = 0
+    tokens: int = 0
+    mismatched: int = 0
+
+    def add(self, stats, identical: bool) -> None:
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at or [0] * self.num_slots, stats.accepted_at)]
+        self.steps += stats.row_steps
+        self.tokens += stats.accepted + stats.row_steps
+        self.mismatched += not identical
+
+    def report(self) -> dict:
+        steps = max(self.steps, 1)
+        return {"slot_acceptance": [count / steps for count in self.accepted_at or [0] * self.num_slots],
+                "kappa": self.tokens / steps, "num_steps": self.steps, "mismatched_rows": self.mismatched}
+
+
+def _live(target, drafter, input_ids: torch.LongTensor, k: int, lookup_ngram_size: int, max_new_tokens: int):
+    return generate(target, input_ids=input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
+                    num_draft_tokens=k, lookup_ngram_size=lookup_ngram_size, schedule="fixed",
+                    max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+
+
+@torch.no_grad()
+def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str], num_draft_tokens: int,
+                     max_new_tokens: int, eos_token_ids: set[int], with_lookup: bool = False,
+                     lookup_ngram_size: int = 4) -> dict:
+    """Teacher-forced and live acceptance of `drafter` on the target's greedy answers to `prompts` (token ids), per
+    group and over `"all"`: `{group: {"num_prompts", "teacher_forced": {...}, "live": {...}, "live_lookup": {...},
+    "gap"}}` (`gap`: the largest |live - teacher-forced| slot acceptance)."""
+    k = num_draft_tokens
+    texts: dict[str, list[dict]] = {}
+    live: dict[str, LiveTally] = {}
+    lookup: dict[str, LiveTally] = {}
+    for prompt, group in zip(tqdm(prompts, desc="prompts"), groups):
+        ids = torch.tensor([prompt], device=target.device)
+        plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False)
+        answer = cut_after_eos(plain[0, ids.shape[1]:].tolist(), eos_token_ids)
+        runs = [(live, 0)] + ([(lookup, lookup_ngram_size)] if with_lookup else [])
+        for tallies, ngram in runs:
+            output = _live(target, drafter, ids, k, ngram, max_new_tokens)
+            identical = cut_after_eos(output.sequences[0, ids.shape[1]:].tolist(), eos_token_ids) == answer
+            for name in (group, ALL):
+                tallies.setdefault(name, LiveTally(k)).add(output.speculation_stats, identical)
+        for name in (group, ALL):
+            texts.setdefault(name, []).append({"input_ids": prompt + answer, "prompt_length": len(prompt)})
+    report = {}
+    for name, rows in texts.items():
+        forced = evaluate_kappa(target, drafter, rows, k)
+        row = {"num_prompts": len(rows), "teacher_forced": forced, "live": live[name].report()}
+        if with_lookup:
+            row["live_lookup"] = lookup[name].report()
+        row["gap"] = max(abs(a - b) for a, b in zip(row["live"]["slot_acceptance"], forced["slot_acceptance"]))
+        report[name] = row
+    return report
+
+
+def table(report: dict) -> str:
+    """The report as a Markdown table: slot acceptance and kappa, teacher-forced vs live, per group."""
+    lookup = any("live_lookup" in row for row in report.values())
+    header = "| group | prompts | slot acceptance, teacher-forced | live | kappa TF | kappa live |" + \
+        (" kappa live + lookup |" if lookup else "") + " gap | rows unlike plain |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for name, row in sorted(report.items(), key=lambda item: (item[0] == ALL, item[0])):
+        forced, live = row["teacher_forced"], row["live"]
+        cells = [name, str(row["num_prompts"]), ", ".join(f"{a:.2f}" for a in forced["slot_acceptance"]),
+                 ", ".join(f"{a:.2f}" for a in live["slot_acceptance"]), f"{forced['kappa'][-1]:.2f}",
+                 f"{live['kappa']:.2f}"]
+        if lookup:
+            cells.append(f"{row['live_lookup']['kappa']:.2f}")
+        cells += [f"{row['gap']:.3f}", str(live["mismatched_rows"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Slot-1 acceptance and kappa per group, teacher-forced beside live."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(report, key=lambda name: (name == ALL, name))
+    positions = torch.arange(len(names)).float()
+    figure, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(names)), 4))
+    for axis, (title, forced, live) in zip(axes, [
+        ("slot-1 acceptance", lambda r: r["teacher_forced"]["slot_acceptance"][0],
+         lambda r: r["live"]["slot_acceptance"][0]),
+        ("kappa", lambda r: r["teacher_forced"]["kappa"][-1], lambda r: r["live"]["kappa"]),
+    ]):
+        axis.bar(positions - 0.2, [forced(report[n]) for n in names], 0.4, label="teacher-forced")
+        axis.bar(positions + 0.2, [live(report[n]) for n in names], 0.4, label="live")
+        axis.set_xticks(positions.tolist(), names, rotation=45, ha="right")
+        axis.set_title(title)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-specformer eval-drafter", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
+    parser.add_argument("--prompts", action="append", default=None,
+                        help="prompt file(s) (default: MT-bench from the shared data if present, and the package's)")
+    parser.add_argument("--limit-per-group", type=int, default=None, help="at most this many prompts per group")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--with-lookup", action="store_true", help="also a live run with prompt lookup")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", default="bench/drafter_eval", help="writes OUTPUT.json and OUTPUT.png")
+    return parser
+
+
+def select(prompts: list[str], groups: list[str], limit_per_group: int | None) -> tuple[list[str], list[str]]:
+    """The first `limit_per_group` prompts of each group (all with None), in their order."""
+    seen: dict[str, int] = {}
+    kept = []
+    for prompt, group in zip(prompts, groups):
+        seen[group] = seen.get(group, 0) + 1
+        if limit_per_group is None or seen[group] <= limit_per_group:
+            kept.append((prompt, group))
+    return [p for p, _ in kept], [g for _, g in kept]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.num_draft_tokens < 1 or args.max_new_tokens < args.num_draft_tokens + 2:
+        raise SystemExit("--num-draft-tokens must be at least 1 and --max-new-tokens at least k + 2.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sources = args.prompts or [p for p in (find_shared_data(MTBENCH_PROMPTS), str(DEFAULT_PROMPTS_FILE)) if p]
+    prompts, groups = select(*labelled_prompts(sources, "category"), args.limit_per_group)
+    target = load_target(args.target, dtype=DTYPES[args.dtype], device=default_device())
+    tokenizer = load_tokenizer(args.target)
+    drafter = load_drafter(args.drafter, target)
+    if args.num_draft_tokens > drafter.config.draft_length:
+        raise SystemExit(f"--num-draft-tokens exceeds the drafter's draft_length ({drafter.config.draft_length}).")
+    report = evaluate_drafter(target, drafter, [chat_prompt_ids(tokenizer, prompt) for prompt in prompts], groups,
+                              args.num_draft_tokens, args.max_new_tokens, eos_token_ids(target, tokenizer),
+                              with_lookup=args.with_lookup)
+    print(table(report))
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.with_suffix(".json").write_text(json.dumps({
+        "config": vars(args), "sources": sources, "max_gap": MAX_GAP,
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "groups": report,
+    }, indent=2))
+    plot(report, output.with_suffix(".png"))
+    worst = max(row["gap"] for row in report.values())
+    if worst > MAX_GAP:
+        print(f"WARNING: live and teacher-forced acceptance differ by {worst:.3f} > {MAX_GAP} on the same texts.")
+    return report

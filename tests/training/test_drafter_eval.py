@@ -1,0 +1,74 @@
+"""`eval-drafter`: on the same texts, live acceptance (speculative `generate`) equals the teacher-forced walk's within
+`MAX_GAP`, for a drafter that gets drafts accepted (self-distilled on a tiny target's own greedy answers), and the
+live outputs equal plain `generate`'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_target
+from datasets import Dataset
+
+from hf_specformer.drafter_eval import ALL, MAX_GAP, evaluate_drafter, main, select, table
+from hf_specformer.training.config import DrafterTrainingConfig
+from hf_specformer.training.train_drafter import train
+
+NEW_TOKENS = 40
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 12, (count,), generator=generator).tolist()
+    return [torch.randint(3, 96, (length,), generator=generator).tolist() for length in lengths]
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """A tiny Llama (head scaled so that drafts can be sharp) and a drafter trained for 60 steps on its greedy
+    answers to 20 random prompts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target = make_target("llama")
+    target.lm_head.weight.mul_(25)
+    rows = []
+    for prompt in _prompts(20, seed=0):
+        ids = torch.tensor([prompt])
+        answer = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False)
+        rows.append({"input_ids": answer[0].tolist(), "prompt_length": len(prompt)})
+    config = DrafterTrainingConfig(
+        data="unused", output_dir=str(tmp_path_factory.mktemp("run")), target="unused", draft_length=4,
+        max_steps=60, per_device_batch_size=4, learning_rate=3e-3, min_learning_rate=1e-4, warmup_ratio=0.1,
+        max_length=64, positions_per_sequence=8, eval_fraction=0.1, eval_every=0, save_every=0,
+        save_dtype="float32", num_threads=1,
+    )
+    drafter = train(config, target=target, dataset=Dataset.from_list(rows)).drafter.eval()
+    yield target, drafter
+    torch.set_num_threads(threads)
+
+
+def test_live_acceptance_equals_teacher_forced_on_the_same_texts(distilled):
+    """On texts the drafter was trained on (so that its drafts are accepted: the comparison then means something)
+    and on unseen ones."""
+    target, drafter = distilled
+    prompts = _prompts(20, seed=0)[:3] + _prompts(3, seed=1)
+    report = evaluate_drafter(target, drafter, prompts, ["seen"] * 3 + ["unseen"] * 3, num_draft_tokens=3,
+                              max_new_tokens=NEW_TOKENS, eos_token_ids={2}, with_lookup=True)
+    assert set(report) == {"seen", "unseen", ALL} and report[ALL]["num_prompts"] == 6
+    for row in report.values():
+        assert row["gap"] <= MAX_GAP, table(report)
+        assert row["live"]["mismatched_rows"] == row["live_lookup"]["mismatched_rows"] == 0
+        assert abs(row["live"]["kappa"] - row["teacher_forced"]["kappa"][-1]) <= 3 * MAX_GAP, table(report)
+    assert report["seen"]["live"]["slot_acceptance"][0] > 0.3, table(report)
+    assert report[ALL]["live_lookup"]["kappa"] >= report[ALL]["live"]["kappa"]
+
+
+def test_select_keeps_the_first_prompts_of_each_group():
+    prompts, groups = select(["p1", "p2", "p3", "p4", "p5"], ["x", "y", "x", "x", "y"], 2)
+    assert prompts == ["p1", "p2", "p3", "p5"] and groups == ["x", "y", "x", "y"]
+
+
+def test_command_rejects_impossible_lengths(tmp_path):
+    with pytest.raises(SystemExit, match="max-new-tokens"):
+        main(["--num-draft-tokens", "3", "--max-new-tokens", "4", "--output", str(tmp_path / "report")])
+    assert not (tmp_path / "report.json").exists()
