@@ -148,11 +148,12 @@ def test_reply_vocabulary_ranks_reply_tokens_by_frequency():
 
 
 # ----- intra-batch gradient accumulation -----------------------------------------------------------------------
-@pytest.mark.parametrize("feature_weight, num_ce_positions", [(0.0, 0), (0.5, 3)])
-def test_intra_batch_backward_matches_plain_loss(target_kind, feature_weight, num_ce_positions):
-    """Against the loss written out with all `[B, P, l_d, V]` logits at once: cross-entropy alone on every position,
-    and cross-entropy on the first 3 positions plus the feature loss (on all 6) against the target's last hidden
-    state at t + 1 + j, written here with explicit loops."""
+@pytest.mark.parametrize("feature_weight, num_ce_positions, soft_weight", [(0.0, 0, 0.0), (0.5, 3, 0.0), (0.0, 4, 0.7)])
+def test_intra_batch_backward_matches_plain_loss(target_kind, feature_weight, num_ce_positions, soft_weight):
+    """Against the loss written out with all `[B, P, l_d, V]` logits at once: cross-entropy alone on every position;
+    cross-entropy on the first 3 positions plus the feature loss (on all 6) against the target's last hidden state
+    at t + 1 + j; and cross-entropy plus the soft-label KL from the target's own distribution at t + 1 + j (its
+    logits from a forward of the target, not from the drafter's helpers) on the first 4, written with loops."""
     target = make_target(target_kind)
     drafter = make_drafter(target, draft_length=4).train()
     batch = collate(repetitive_dataset(3)[:3], max_length=64)
@@ -167,7 +168,8 @@ def test_intra_batch_backward_matches_plain_loss(target_kind, feature_weight, nu
                        num_draft_tokens=4, return_logits=False).slot_hidden_states
 
     losses = intra_batch_backward(drafter, slot_states(), labels, feature_targets=features,
-                                  feature_weight=feature_weight, num_ce_positions=num_ce_positions)
+                                  feature_weight=feature_weight, num_ce_positions=num_ce_positions,
+                                  soft_label_weight=soft_weight)
     intra_grads = {name: parameter.grad.clone() for name, parameter in drafter.named_parameters()}
     drafter.zero_grad()
 
@@ -181,13 +183,24 @@ def test_intra_batch_backward_matches_plain_loss(target_kind, feature_weight, nu
                                   reduction="sum")
                  for b in range(3) for p in range(positions.shape[1]) if labels[b, p, j] != IGNORE_INDEX]
         plain_feature.append(torch.stack(terms).mean())
-    plain = torch.stack([ce + feature_weight * f for ce, f in zip(plain_ce, plain_feature)]).mean()
+    target_logits = target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V]
+    plain_soft = []
+    for j in range(4):
+        terms = [F.kl_div(ce_logits[b, p, j].log_softmax(-1), target_logits[b, positions[b, p] + 1 + j].log_softmax(-1),
+                          log_target=True, reduction="sum")
+                 for b in range(3) for p in range(ce_logits.shape[1]) if labels[b, p, j] != IGNORE_INDEX]
+        plain_soft.append(torch.stack(terms).mean())
+    plain = torch.stack([ce + feature_weight * f + soft_weight * kl
+                         for ce, f, kl in zip(plain_ce, plain_feature, plain_soft)]).mean()
     plain.backward()
 
     assert losses.total == pytest.approx(plain.item(), rel=1e-10)
     assert losses.cross_entropy == pytest.approx([loss.item() for loss in plain_ce], rel=1e-10)
     if feature_weight:
         assert losses.feature == pytest.approx([loss.item() for loss in plain_feature], rel=1e-10)
+    if soft_weight:
+        assert losses.soft == pytest.approx([loss.item() for loss in plain_soft], rel=1e-9)
+        assert min(losses.soft) > 0
     for name, parameter in drafter.named_parameters():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
         assert torch.allclose(intra_grads[name], parameter.grad, rtol=1e-9, atol=1e-12), name

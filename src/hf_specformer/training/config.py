@@ -41,7 +41,12 @@ class DrafterTrainingConfig:
             position t and the target's own last hidden state at t + 1 + j, which its lm_head turns into the
             distribution of x_{t+2+j}. It carries the target's whole next-token distribution rather than one
             label (as EAGLE's feature loss does) and costs d instead of V per slot, so it runs at every slot-stage
-            position. The loss is `mean_j (CE_j + w * feature_j)`; 0 disables it.
+            position. The loss is `mean_j (CE_j + w * feature_j + w_s * soft_j)`; 0 disables it.
+        soft_label_weight: weight w_s of soft-label distillation (DistillSpec, arXiv 2310.08461): the forward KL
+            from the target's own next-token distribution at t + 1 + j (its lm_head on its last hidden state there)
+            to slot j's, beside the hard label, at the cross-entropy's positions. It teaches a slot the tokens the
+            target would also rank high, where the hard label keeps only its argmax. Costs one more lm_head per slot
+            and position. 0 disables it.
         cache_target_states: keep each training sequence's target states (4 hooked + the last hidden state) in
             memory after its first forward, so later epochs skip the target. Costs about T * 5 * d * 4 bytes of RAM
             per sequence (1.5 GB for 1000 sequences of 170 tokens with d = 576).
@@ -97,6 +102,9 @@ class DrafterTrainingConfig:
     feature_loss_weight: float = field(
         default=0.0, metadata={"help": "Weight of the feature loss against the target's last hidden state (0: off)."}
     )
+    soft_label_weight: float = field(
+        default=0.0, metadata={"help": "Weight of the forward KL from the target's next-token distribution (0: off)."}
+    )
     cache_target_states: bool = field(
         default=False, metadata={"help": "Keep each training sequence's target states in memory after its first pass."}
     )
@@ -131,7 +139,7 @@ class DrafterTrainingConfig:
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps",
                     "new_parameter_learning_rate_scale", "lora_rank", "lora_alpha")
         non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "ce_positions_per_sequence",
-                        "feature_loss_weight", "draft_vocab_size", "eval_every", "save_every", "num_threads",
+                        "feature_loss_weight", "soft_label_weight", "draft_vocab_size", "eval_every", "save_every", "num_threads",
                         "min_learning_rate")
         for name in positive:
             if getattr(self, name) <= 0:

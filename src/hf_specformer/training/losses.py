@@ -1,5 +1,5 @@
-"""The training objective: sampled positions, per-slot labels (the reply's future tokens), cross-entropy and
-feature losses, and their intra-batch gradient accumulation (`intra_batch_backward`)."""
+"""The training objective: sampled positions, per-slot labels (the reply's future tokens), cross-entropy, feature and
+soft-label losses, and their intra-batch gradient accumulation (`intra_batch_backward`)."""
 
 from __future__ import annotations
 
@@ -57,11 +57,12 @@ def slot_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 class SlotLosses(NamedTuple):
-    """Losses of one micro-batch (floats): `total = mean_j (cross_entropy[j] + w * feature[j])`."""
+    """Losses of one micro-batch (floats): `total = mean_j (cross_entropy[j] + w_f * feature[j] + w_s * soft[j])`."""
 
     total: float
     cross_entropy: list[float]
     feature: list[float]
+    soft: list[float]
 
 
 def slot_feature_loss(normalized: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,19 @@ def slot_feature_loss(normalized: torch.Tensor, targets: torch.Tensor, labels: t
     return (distance * valid).sum() / valid.sum().clamp(min=1)
 
 
+def slot_soft_label_loss(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean forward KL(p || q) (in float32 at least) from the target's next-token distribution p = softmax of
+    `target_logits` `[..., V]` to the drafter's q = softmax of `logits` `[..., V]`, over the entries whose `labels`
+    `[...]` are not -100 (0 if there are none). DistillSpec (arXiv 2310.08461): the whole distribution teaches a
+    slot what the target would accept, not only its greedy token."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    log_q = logits.to(dtype).log_softmax(-1)
+    log_p = target_logits.to(dtype).log_softmax(-1)
+    divergence = (log_p.exp() * (log_p - log_q)).sum(-1)
+    valid = labels != IGNORE_INDEX
+    return (divergence * valid).sum() / valid.sum().clamp(min=1)
+
+
 def intra_batch_backward(
     drafter: SpecFormerForDrafting,
     slot_hidden: torch.Tensor,
@@ -81,8 +95,10 @@ def intra_batch_backward(
     feature_targets: torch.Tensor | None = None,
     feature_weight: float = 0.0,
     num_ce_positions: int = 0,
+    soft_label_weight: float = 0.0,
 ) -> SlotLosses:
-    """Backward of `mean_j (CE_j + w * feature_j)`, one slot's vocabulary-sized logits at a time (paper sec. 3).
+    """Backward of `mean_j (CE_j + w_f * feature_j + w_s * soft_j)`, one slot's vocabulary-sized logits at a time
+    (paper sec. 3).
 
     Args:
         drafter: the (unwrapped, bound) drafter whose `compute_logits` applies the target's norm and head.
@@ -91,9 +107,12 @@ def intra_batch_backward(
         backward: `backward(tensor, gradient)` for the final backward through SpecFormer, e.g. a wrapper of
             `accelerator.backward`; default `tensor.backward(gradient)`.
         feature_targets: `[B, P, l_d, d]` the target's last hidden state that predicts each slot's label; needed
-            when `feature_weight` > 0.
-        feature_weight: w (see `DrafterTrainingConfig.feature_loss_weight`).
-        num_ce_positions: the cross-entropy covers the first this many of the P positions (0: all).
+            when `feature_weight` or `soft_label_weight` > 0.
+        feature_weight: w_f (see `DrafterTrainingConfig.feature_loss_weight`).
+        num_ce_positions: the cross-entropy and the soft-label loss cover the first this many of the P positions
+            (0: all).
+        soft_label_weight: w_s, the weight of `slot_soft_label_loss` against the target's distribution, the lm_head
+            of `feature_targets` (see `DrafterTrainingConfig.soft_label_weight`).
 
     The gradients equal those of the plain loss computed from all `[B, P, l_d, V]` logits at once, while only
     `[B, P, V]` logits live at a time.
@@ -101,11 +120,18 @@ def intra_batch_backward(
     num_slots = slot_hidden.shape[2]
     ce_columns = slice(0, num_ce_positions or None)
     detached = slot_hidden.detach().requires_grad_()
-    cross_entropy, feature = [], []
+    cross_entropy, feature, soft = [], [], []
     for slot in range(num_slots):
         states, slot_targets = detached[:, :, slot], labels[:, :, slot]
-        loss = slot_cross_entropy(drafter.compute_logits(states[:, ce_columns]), slot_targets[:, ce_columns])
+        logits = drafter.compute_logits(states[:, ce_columns])
+        loss = slot_cross_entropy(logits, slot_targets[:, ce_columns])
         cross_entropy.append(loss.detach())
+        if soft_label_weight > 0:
+            with torch.no_grad():
+                target_logits = drafter.head_logits(feature_targets[:, ce_columns, slot])
+            soft_loss = slot_soft_label_loss(logits, target_logits, slot_targets[:, ce_columns])
+            soft.append(soft_loss.detach())
+            loss = loss + soft_label_weight * soft_loss
         if feature_weight > 0:
             feature_loss = slot_feature_loss(drafter.normalize(states), feature_targets[:, :, slot], slot_targets)
             feature.append(feature_loss.detach())
@@ -114,5 +140,7 @@ def intra_batch_backward(
     (backward or torch.Tensor.backward)(slot_hidden, detached.grad)
     cross_entropy = torch.stack(cross_entropy).tolist()
     feature = torch.stack(feature).tolist() if feature else [0.0] * num_slots
-    total = sum(ce + feature_weight * f for ce, f in zip(cross_entropy, feature)) / num_slots
-    return SlotLosses(total, cross_entropy, feature)
+    soft = torch.stack(soft).tolist() if soft else [0.0] * num_slots
+    total = sum(ce + feature_weight * f + soft_label_weight * s
+                for ce, f, s in zip(cross_entropy, feature, soft)) / num_slots
+    return SlotLosses(total, cross_entropy, feature, soft)

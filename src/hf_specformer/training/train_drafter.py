@@ -165,12 +165,13 @@ def train_micro_batch(
                          num_draft_tokens=config.draft_length, return_logits=False,
                          next_token_ids=next_token_ids(batch.input_ids))
         labels = slot_labels(batch, positions, mask, config.draft_length)
-        features = future_states(last, positions, config.draft_length) if config.feature_loss_weight > 0 else None
+        needs_states = config.feature_loss_weight > 0 or config.soft_label_weight > 0
+        features = future_states(last, positions, config.draft_length) if needs_states else None
         return intra_batch_backward(
             unwrapped, output.slot_hidden_states, labels,
             backward=lambda tensor, gradient: accelerator.backward(tensor, gradient=gradient),
             feature_targets=features, feature_weight=config.feature_loss_weight,
-            num_ce_positions=config.ce_positions_per_sequence,
+            num_ce_positions=config.ce_positions_per_sequence, soft_label_weight=config.soft_label_weight,
         )
 
 
@@ -190,9 +191,10 @@ class WindowStats:
 
     def summary(self, accelerator: Accelerator) -> dict:
         """Losses averaged over micro-batches and processes (`loss` is the total, `slot_losses` the per-slot
-        cross-entropy, `feature_losses` the per-slot feature loss), token and sequence rates over all processes."""
+        cross-entropy, `feature_losses` and `soft_label_losses` the per-slot auxiliary losses), token and sequence
+        rates over all processes."""
         device = accelerator.device
-        rows = [[losses.total, *losses.cross_entropy, *losses.feature] for losses in self.losses]
+        rows = [[losses.total, *losses.cross_entropy, *losses.feature, *losses.soft] for losses in self.losses]
         means = accelerator.reduce(torch.tensor(rows, device=device).mean(0), reduction="mean").tolist()
         counts = accelerator.reduce(torch.tensor([self.tokens, self.sequences], device=device), reduction="sum")
         seconds = time.perf_counter() - self.start
@@ -200,7 +202,8 @@ class WindowStats:
         return {
             "loss": means[0],
             "slot_losses": [round(value, 5) for value in means[1 : 1 + num_slots]],
-            "feature_losses": [round(value, 5) for value in means[1 + num_slots :]],
+            "feature_losses": [round(value, 5) for value in means[1 + num_slots : 1 + 2 * num_slots]],
+            "soft_label_losses": [round(value, 5) for value in means[1 + 2 * num_slots :]],
             "seconds": round(seconds, 3),
             "tokens_per_second": round(counts[0].item() / seconds, 1),
             "sequences_per_second": round(counts[1].item() / seconds, 3),

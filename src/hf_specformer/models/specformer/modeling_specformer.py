@@ -435,8 +435,13 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
     def compute_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
         """Target final norm then the target's whole lm_head: `[..., d]` -> `[..., V]` in the target's dtype (what
         training scores; drafting goes through `draft_logits`)."""
-        normalized = self.normalize(slot_hidden_states)
-        return self._target_head[1](normalized)
+        return self.head_logits(self.normalize(slot_hidden_states))
+
+    def head_logits(self, normalized: torch.Tensor) -> torch.Tensor:
+        """The target's whole lm_head on states already in its space (`normalize`'s output, or the target's own
+        last hidden state): `[..., d]` -> `[..., V]`."""
+        lm_head = self._bound_head()[1]
+        return lm_head(normalized.to(lm_head.weight.dtype))
 
     def draft_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft logits `[..., d]` -> `[..., V]`: `compute_logits`, or with a draft vocabulary only its V_d rows of
