@@ -314,7 +314,7 @@ def run_benchmark(config: BenchConfig) -> dict:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = parser or argparse.ArgumentParser(prog="hf-specformer bench", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--oracle", action="store_true", help="measure the engine ceiling with an oracle drafter")
     parser.add_argument("--untrained", action="store_true", help="a freshly initialised SpecFormer")

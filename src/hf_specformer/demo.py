@@ -123,7 +123,7 @@ def compare_at_batch_size(target, tokenizer, drafter, prompts: list[str], k: int
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = parser or argparse.ArgumentParser(prog="hf-specformer demo", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one) or 'untrained'")
     parser.add_argument("--prompts", default=None, help="prompt file (default: the built-in prompts)")

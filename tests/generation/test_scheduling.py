@@ -11,6 +11,7 @@ from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
 
 from hf_specformer import SpecFormerProposer, generate
 from hf_specformer.generation.costs import StepCostModel, cached_step_costs, profile_step_costs, step_costs_path
+from hf_specformer.generation import costs as costs_module
 from hf_specformer.generation.forwards import LoopLayers
 from hf_specformer.generation.profiling import measure_step_costs
 from hf_specformer.generation.scheduling import GoodputSchedule, num_drafts_to_verify
@@ -157,14 +158,22 @@ def test_cached_step_costs_measure_once_per_description_and_again_for_larger_bat
     assert len(calls) == 3
 
 
-def test_profile_times_every_width_and_drafting():
-    import time
+def test_profile_takes_the_median_of_timed_rounds_after_a_warm_up(monkeypatch):
+    """On a clock that only the work advances: every width, drafting and the plain step get their own cost per
+    batch size; the untimed warm-up round (100 s) and one slow round (+1 s) do not move the medians."""
+    clock = {"now": 0.0, "calls": 0}
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock["now"])
 
-    costs = profile_step_costs(lambda b, w: time.sleep(0.002 * (w + 1)), lambda b: time.sleep(0.001), [1, 2], 2,
-                               repeats=2)
-    for row in costs.step_seconds:
-        assert row[0] < row[1] < row[2]
-    assert all(0.0005 < seconds < 0.05 for seconds in costs.draft_seconds)
+    def work(seconds: float):
+        clock["calls"] += 1
+        warm_up = clock["calls"] <= len(WORK)
+        clock["now"] += seconds + (100.0 if warm_up else 0.0) + (1.0 if clock["calls"] == 2 * len(WORK) else 0.0)
+
+    WORK = ["w0", "w1", "w2", "draft", "plain"]
+    measured = profile_step_costs(lambda b, w: work(0.002 * (w + 1) * b), lambda b: work(0.001 * b), [1], 2,
+                                  repeats=3, plain=lambda b: work(0.0015 * b))
+    assert measured.step_seconds == [pytest.approx([0.002, 0.004, 0.006])]
+    assert measured.draft_seconds == [pytest.approx(0.001)] and measured.plain_seconds == [pytest.approx(0.0015)]
 
 
 def test_measured_step_costs_time_the_loops_forwards():

@@ -146,11 +146,15 @@ def test_draft_length_truncates(target, drafter):
         torch.testing.assert_close(out, full[:, :, :k], rtol=1e-12, atol=1e-12)
 
 
-def test_logits_only_at_requested_positions(target, drafter):
+def test_logits_at_requested_positions_are_those_of_every_position(target, drafter):
+    """Drafting at chosen positions (default: the last) gives what drafting at every position gives there."""
     states = hooked_states(target, drafter, torch.randint(3, 90, (2, 7)))
-    assert drafter(states, use_cache=False).logits.shape[1] == 1
-    out = drafter(states, draft_positions=torch.tensor([[0, 6], [3, 4]]), use_cache=False)
-    assert out.logits.shape == (2, 2, drafter.config.num_speculative_tokens, target.config.vocab_size)
+    every = drafter(states, draft_positions=torch.arange(7).expand(2, -1), use_cache=False).logits  # [2, 7, k, V]
+    assert every.shape == (2, 7, drafter.config.num_speculative_tokens, target.config.vocab_size)
+    torch.testing.assert_close(drafter(states, use_cache=False).logits, every[:, 6:], rtol=1e-12, atol=1e-12)
+    chosen = torch.tensor([[0, 6], [3, 4]])
+    out = drafter(states, draft_positions=chosen, use_cache=False).logits
+    torch.testing.assert_close(out, every[torch.arange(2)[:, None], chosen], rtol=1e-12, atol=1e-12)
 
 
 def test_bad_inputs_raise(target, drafter):

@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_chat_target
 
 from hf_specformer.targets import load_target
-from hf_specformer.training.synthesize import synthesize_prompts, user_turn_prefix_ids
+from hf_specformer.training.synthesize import CATEGORY_SYSTEM_PROMPTS, synthesize_prompts, user_turn_prefix_ids
 
 NUM_PROMPTS, BATCH_SIZE, MAX_NEW_TOKENS = 6, 4, 48
 
@@ -47,3 +47,24 @@ def test_a_target_that_never_closes_its_turn_is_an_error(tokenizer, tmp_path):
     with pytest.raises(RuntimeError, match="instruction-tuned"):
         synthesize_prompts(tiny_chat_target(tokenizer), tokenizer, 2, str(tmp_path / "p.jsonl"), batch_size=2,
                            max_new_tokens=2, progress=False)
+
+
+@pytest.mark.slow
+def test_categories_steer_the_system_prompt_batch_by_batch(tokenizer, tmp_path):
+    """SmolLM2 writes prompts under category system prompts: batch b's template carries category b mod n's, and its
+    records name that category; the categories are part of the run's identity (a resume with others is refused),
+    and unknown ones are an error."""
+    writing = user_turn_prefix_ids(tokenizer, CATEGORY_SYSTEM_PROMPTS["writing"])
+    assert tokenizer.decode(writing).endswith(CATEGORY_SYSTEM_PROMPTS["writing"] + "<|im_end|>\n<|im_start|>user\n")
+    target = load_target()
+    path = tmp_path / "p.jsonl"
+    kwargs = dict(batch_size=3, max_new_tokens=MAX_NEW_TOKENS, progress=False)
+    synthesize_prompts(target, tokenizer, 6, str(path), categories=["math", "coding"], **kwargs)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records and all(r["category"] == ["math", "coding"][r["batch"] % 2] for r in records)
+    assert all(r["source"].endswith(":" + r["category"]) for r in records)
+    assert {r["category"] for r in records} == {"math", "coding"}
+    with pytest.raises(ValueError, match="seed|categories"):
+        synthesize_prompts(target, tokenizer, 6, str(path), categories=["math"], **kwargs)
+    with pytest.raises(ValueError, match="Unknown categories"):
+        synthesize_prompts(target, tokenizer, 6, str(tmp_path / "q.jsonl"), categories=["poetry"], **kwargs)

@@ -8,7 +8,9 @@ templates covers far less of it. `distill --prompts <this file>` then has the ta
 
 Choices (Magpie's defaults where it has one): temperature 1.0, no top-k or top-p cut. A message is kept only if the
 target closed the turn itself (an EOS before `max_new_tokens`), it is not blank, and it is not an exact duplicate
-of one kept before.
+of one kept before. With `categories`, batch b's template carries the system prompt of category b mod n
+(`CATEGORY_SYSTEM_PROMPTS`, as Magpie steers its task mix), so the prompts cover every kind of request a chat model
+serves rather than the few a bare template drifts to; each record names its `category`.
 
 Resumable like `distill`: every batch is appended to the output JSONL (flushed and fsynced), batch b is sampled with
 the seed (seed, b), and a restart continues after the last batch on disk, so a rerun reproduces the same file.
@@ -32,17 +34,46 @@ from hf_specformer.targets import add_target_arguments, target_from_args
 logger = logging.getLogger(__name__)
 
 SENTINEL = "\u2063USER-MESSAGE\u2063"
+CATEGORY_SYSTEM_PROMPTS = {
+    "writing": "You are an AI assistant for writing. Users ask you to write stories, poems, essays, emails, blog "
+               "posts and speeches, or to improve a text they give you.",
+    "roleplay": "You are an AI assistant for role-play. Users ask you to act as a character, a profession or a "
+                "famous person and to answer in that voice.",
+    "reasoning": "You are an AI assistant for reasoning. Users give you puzzles, riddles, logic problems and "
+                 "questions that need careful step-by-step thinking.",
+    "math": "You are an AI assistant for mathematics. Users ask you to solve arithmetic, algebra, geometry, "
+            "probability and word problems and to explain the steps.",
+    "coding": "You are an AI assistant for programming. Users ask you to write, explain, fix or review code in "
+              "Python, JavaScript, C++, SQL and other languages.",
+    "extraction": "You are an AI assistant for information extraction. Users paste a text and ask you to pull out "
+                  "names, dates, numbers or facts, often as a list, a table or JSON.",
+    "stem": "You are an AI assistant for science and engineering. Users ask about physics, chemistry, biology, "
+            "medicine, computing and engineering.",
+    "humanities": "You are an AI assistant for the humanities. Users ask about history, philosophy, literature, "
+                  "art, economics, law and society.",
+    "translation": "You are an AI assistant for translation. Users give you a sentence or a paragraph and ask you "
+                   "to translate it into another language.",
+    "summarization": "You are an AI assistant for summaries. Users paste a long passage of several paragraphs and "
+                     "ask you to summarise it.",
+    "passage_qa": "You are an AI assistant for reading comprehension. Users paste a long passage of several "
+                  "paragraphs and ask a question that it answers.",
+}
+"""Category -> the system prompt that steers what users ask (MT-bench's 8 categories, translation, and requests
+over long passages)."""
+
 MAX_FRUITLESS_BATCHES = 10
 """Consecutive batches that keep no message after which synthesis gives up (a target that never closes a turn)."""
 
 
-def user_turn_prefix_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Token ids of the chat template up to where a lone user message's text begins (system prompt, user header).
+def user_turn_prefix_ids(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins (system prompt, user header), with
+    `system_prompt` as the system turn (None: the template's default).
 
     Found by rendering a sentinel message and cutting the text at it; raises ValueError if the template does not
     put the message text verbatim into the prompt.
     """
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    text = tokenizer.apply_chat_template([*system, {"role": "user", "content": SENTINEL}], tokenize=False)
     if SENTINEL not in text:
         raise ValueError("The chat template does not contain the user message verbatim; cannot find the user turn.")
     return tokenizer(text[: text.index(SENTINEL)], add_special_tokens=False)["input_ids"]
@@ -88,26 +119,33 @@ def synthesize_prompts(
     batch_size: int = 64,
     max_new_tokens: int = 128,
     seed: int = 0,
+    categories: list[str] | None = None,
     progress: bool = True,
 ) -> list[str]:
     """Has `target` write `num_prompts` distinct user prompts into `output_path` (JSONL with `id`, `batch`,
-    `source`, `prompt`) and returns them, resuming a run already there.
+    `source`, `prompt`, and `category` with `categories`) and returns them, resuming a run already there.
 
-    Raises ValueError when `output_path` holds a run with another target, seed or length limit (recorded in
-    `<output_path>.meta.json`), and RuntimeError when `MAX_FRUITLESS_BATCHES` batches in a row keep nothing.
+    `categories`: keys of `CATEGORY_SYSTEM_PROMPTS` taken in turn, one per batch (None: the template's own system
+    prompt). Raises ValueError for an unknown category or when `output_path` holds a run with another target, seed,
+    length limit or categories (recorded in `<output_path>.meta.json`), and RuntimeError when
+    `MAX_FRUITLESS_BATCHES` batches in a row keep nothing.
     """
     if num_prompts < 1 or batch_size < 1 or max_new_tokens < 1:
         raise ValueError("num_prompts, batch_size and max_new_tokens must be positive.")
+    unknown = sorted(set(categories or []) - set(CATEGORY_SYSTEM_PROMPTS))
+    if unknown or categories == []:
+        raise ValueError(f"Unknown categories {unknown}; choose from {sorted(CATEGORY_SYSTEM_PROMPTS)}.")
     directory = os.path.dirname(os.path.abspath(output_path))
     os.makedirs(directory, exist_ok=True)
-    meta = {**target_fingerprint(target), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+    meta = {**target_fingerprint(target), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+            **({"categories": categories} if categories else {})}
     check_or_write_meta(output_path + ".meta.json", meta)
     records = sorted(read_records(output_path).values(), key=lambda record: record["id"])
     prompts = [record["prompt"] for record in records]
     seen = set(prompts)
     batch_index = max((record["batch"] for record in records), default=-1) + 1
-    prefix_ids = user_turn_prefix_ids(tokenizer)
-    source = f"self:{target.config.name_or_path}"
+    kinds = categories or [None]
+    prefixes = {kind: user_turn_prefix_ids(tokenizer, CATEGORY_SYSTEM_PROMPTS.get(kind)) for kind in kinds}
 
     bar = tqdm(total=num_prompts, initial=min(len(prompts), num_prompts), unit="prompt", desc="synthesize",
                disable=not progress)
@@ -118,14 +156,17 @@ def synthesize_prompts(
                 f"The last {fruitless * batch_size} sampled user messages gave no new prompt (none closed within "
                 f"{max_new_tokens} tokens, or all blank or repeated); is the target an instruction-tuned chat model?"
             )
+        kind = kinds[batch_index % len(kinds)]
         messages = sample_user_messages(
-            target, tokenizer, prefix_ids, batch_size, max_new_tokens, batch_seed(seed, batch_index)
+            target, tokenizer, prefixes[kind], batch_size, max_new_tokens, batch_seed(seed, batch_index)
         )
+        source = f"self:{target.config.name_or_path}" + (f":{kind}" if kind else "")
         new = []
         for message in messages:
             if message and message not in seen and len(prompts) + len(new) < num_prompts:
                 seen.add(message)
-                new.append({"id": len(prompts) + len(new), "batch": batch_index, "source": source, "prompt": message})
+                new.append({"id": len(prompts) + len(new), "batch": batch_index, "source": source, "prompt": message,
+                            **({"category": kind} if kind else {})})
         append_records(output_path, new)
         prompts.extend(record["prompt"] for record in new)
         sampled += len(messages)
@@ -146,7 +187,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="messages sampled per generate call")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="longest message (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    return parser.parse_args(argv)
+    parser.add_argument("--categories", nargs="+", default=None, metavar="CATEGORY",
+                        help="steer batches in turn by category system prompts (`all`: "
+                        f"{', '.join(CATEGORY_SYSTEM_PROMPTS)})")
+    args = parser.parse_args(argv)
+    if args.categories == ["all"]:
+        args.categories = list(CATEGORY_SYSTEM_PROMPTS)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     target, tokenizer = target_from_args(args)
     prompts = synthesize_prompts(
         target, tokenizer, args.num_prompts, args.output,
-        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed, categories=args.categories,
     )
     logger.info("%d prompts in %s", len(prompts), args.output)
 

@@ -351,7 +351,7 @@ def export_trained(
 
 def parse_config(argv: list[str] | None = None) -> DrafterTrainingConfig:
     """`DrafterTrainingConfig` from command-line options (`--output-dir` or `--output_dir`, `--resume`, ...)."""
-    parser = HfArgumentParser(DrafterTrainingConfig, description=__doc__.split("\n\n")[0])
+    parser = HfArgumentParser(DrafterTrainingConfig, prog="hf-specformer train", description=__doc__.split("\n\n")[0])
     (config,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     return config
 
