@@ -7,6 +7,8 @@ from .generation import (
     Proposer,
     SpecFormerProposer,
     SpecStats,
+    SuffixIndex,
+    SuffixProposer,
     generate,
 )
 from .hub.export import complete_hub_folder
@@ -36,6 +38,8 @@ __all__ = [
     "SpecFormerOutput",
     "SpecFormerProposer",
     "SpecStats",
+    "SuffixIndex",
+    "SuffixProposer",
     "__version__",
     "generate",
 ]

@@ -5,8 +5,9 @@
 
 Prompts come from any `datasets` source (`--prompts` repeated: local .jsonl/.json/.parquet files or Hub dataset
 names; the prompt column is detected). Each prompt is wrapped in the target's chat template (`--no-chat-template`
-for raw text) and answered by `hf_specformer.generate` with a drafter (plus prompt lookup and the goodput
-scheduler), or by plain `generate` with `--plain`; greedy by default, `--do-sample` for sampling. Speculation is
+for raw text) and answered by `hf_specformer.generate` with a drafter (plus prompt lookup, the goodput scheduler and,
+with `--suffix-index-tokens`, suffix drafts from everything the process answered before), or by plain `generate`
+with `--plain`; greedy by default, `--do-sample` for sampling. Speculation is
 lossless, so the answers are the target's own (greedy: token for token, up to low-precision ties; sampling: the
 same distribution).
 
@@ -46,13 +47,14 @@ from .batching import (
     plan_batches,
     prompt_ids,
 )
-from .generation import generate
+from .generation import SuffixIndex, generate
 from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .records import (
     DATASET_DIR,
     GENERATIONS_FILE,
     META_FILE,
     PROGRESS_DIR,
+    THROUGHPUT_FILE,
     append_records,
     check_or_write_meta,
     read_all_records,
@@ -154,6 +156,12 @@ class Throughput:
     def postfix(self) -> dict:
         kappa = {} if self.kappa is None else {"kappa": f"{self.kappa:.2f}"}
         return {"tok_s": f"{self.tokens_per_second:.1f}", **kappa}
+
+    def save(self, path: str, **extra) -> None:
+        """Writes the totals, tokens/s and kappa (and `extra`) as JSON."""
+        with open(path, "w") as file:
+            json.dump({**asdict(self), "tokens_per_second": self.tokens_per_second, "kappa": self.kappa, **extra},
+                      file, indent=2)
 
 
 @torch.inference_mode()
@@ -279,6 +287,8 @@ def generate_dataset(
         logger.info("process %d: %d answer tokens in %.1f s (%.1f tokens/s)%s", state.process_index,
                     throughput.tokens, throughput.seconds, throughput.tokens_per_second,
                     "" if throughput.kappa is None else f", kappa {throughput.kappa:.2f}")
+        throughput.save(os.path.join(progress_dir, THROUGHPUT_FILE.format(state.process_index)),
+                        num_prompts=len(mine), batch_size=settings.batch_size)
     state.wait_for_everyone()
     if not state.is_main_process:
         return None
@@ -330,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     speculation.add_argument("--lookup-ngram-size", type=int, default=LOOKUP_NGRAM_SIZE,
                              help="prompt lookup on top of the drafter, longest n-gram (0: off; default %(default)s)")
     speculation.add_argument("--schedule", choices=["goodput", "fixed"], default="goodput")
+    speculation.add_argument("--suffix-index-tokens", type=int, default=0,
+                             help="cross-request suffix drafts from the prompts and answers this process has seen, "
+                             "keeping at most this many tokens (0: off; e.g. 65536)")
     return parser
 
 
@@ -343,6 +356,8 @@ def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> 
                    "lookup_ngram_size": args.lookup_ngram_size, "schedule": args.schedule}
     if args.companion:
         speculation["companion_model"] = load_companion(args.companion, target)
+    if args.suffix_index_tokens:
+        speculation["suffix_index"] = SuffixIndex(args.suffix_index_tokens)  # one per process, for every batch
     return speculation
 
 

@@ -14,7 +14,10 @@ Both report per-slot acceptance, cumulative as decoding sees it (slot j counts w
 accepted, per step), and kappa (tokens per step). Live and teacher-forced read the same drafter on the same states,
 so they differ only by the walk's last steps (the teacher-forced walk stops where fewer than k labels remain) and
 floating-point rounding: a gap above `MAX_GAP` means the live path computes something else than training measures,
-a bug to find, not a data problem. `--with-lookup` adds a live run with prompt lookup on top of the drafter.
+a bug to find, not a data problem. `--with-lookup` adds a live run with prompt lookup on top of the drafter, and
+`--with-suffix` one with prompt lookup and cross-request suffix drafts (`generation/suffix.py`) from one
+`SuffixIndex` for the whole evaluation, which holds what that run generated for the prompts before (never the
+plain answers, so nothing is drafted from the text being scored).
 
 Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
 each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
@@ -34,7 +37,7 @@ from tqdm.auto import tqdm
 
 from .assistants import load_drafter
 from .batching import cut_after_eos, eos_token_ids
-from .generation import generate
+from .generation import SuffixIndex, generate
 from .prompts import (
     DEFAULT_PROMPTS_FILE,
     chat_prompt_ids,
@@ -73,42 +76,55 @@ class LiveTally:
                 "kappa": self.tokens / steps, "num_steps": self.steps, "mismatched_rows": self.mismatched}
 
 
-def _live(target, drafter, input_ids: torch.LongTensor, k: int, lookup_ngram_size: int, max_new_tokens: int):
+def _live(target, drafter, input_ids: torch.LongTensor, k: int, max_new_tokens: int, lookup_ngram_size: int,
+          suffix_index: SuffixIndex | None):
     return generate(target, input_ids=input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
-                    num_draft_tokens=k, lookup_ngram_size=lookup_ngram_size, schedule="fixed",
-                    max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+                    num_draft_tokens=k, lookup_ngram_size=lookup_ngram_size, suffix_index=suffix_index,
+                    schedule="fixed", max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+
+
+LIVE_RUNS = {"live": "kappa live", "live_lookup": "kappa live + lookup", "live_suffix": "kappa live + lookup + suffix"}
+"""Report key of each live run -> its table column."""
+
+
+def _live_runs(with_lookup: bool, with_suffix: bool, lookup_ngram_size: int) -> dict[str, tuple]:
+    """The live runs asked for: report key -> (prompt lookup's n-gram size, suffix index)."""
+    runs = {"live": (0, None)}
+    if with_lookup:
+        runs["live_lookup"] = (lookup_ngram_size, None)
+    if with_suffix:
+        runs["live_suffix"] = (lookup_ngram_size, SuffixIndex())
+    return runs
 
 
 @torch.no_grad()
 def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str], num_draft_tokens: int,
                      max_new_tokens: int, eos_token_ids: set[int], with_lookup: bool = False,
-                     lookup_ngram_size: int = 4) -> dict:
+                     with_suffix: bool = False, lookup_ngram_size: int = 4) -> dict:
     """Teacher-forced and live acceptance of `drafter` on the target's greedy answers to `prompts` (token ids), per
     group and over `"all"`: `{group: {"num_prompts", "teacher_forced": {...}, "live": {...}, "live_lookup": {...},
-    "gap"}}` (`gap`: the largest |live - teacher-forced| slot acceptance)."""
+    "live_suffix": {...}, "gap"}}` (`gap`: the largest |live - teacher-forced| slot acceptance)."""
     k = num_draft_tokens
     texts: dict[str, list[dict]] = {}
-    live: dict[str, LiveTally] = {}
-    lookup: dict[str, LiveTally] = {}
+    runs = _live_runs(with_lookup, with_suffix, lookup_ngram_size)
+    tallies: dict[str, dict[str, LiveTally]] = {run: {} for run in runs}
     for prompt, group in zip(tqdm(prompts, desc="prompts"), groups):
         ids = torch.tensor([prompt], device=target.device)
         plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False)
         answer = cut_after_eos(plain[0, ids.shape[1]:].tolist(), eos_token_ids)
-        runs = [(live, 0)] + ([(lookup, lookup_ngram_size)] if with_lookup else [])
-        for tallies, ngram in runs:
-            output = _live(target, drafter, ids, k, ngram, max_new_tokens)
+        for run, (ngram, suffix_index) in runs.items():
+            output = _live(target, drafter, ids, k, max_new_tokens, ngram, suffix_index)
             identical = cut_after_eos(output.sequences[0, ids.shape[1]:].tolist(), eos_token_ids) == answer
             for name in (group, ALL):
-                tallies.setdefault(name, LiveTally(k)).add(output.speculation_stats, identical)
+                tallies[run].setdefault(name, LiveTally(k)).add(output.speculation_stats, identical)
         for name in (group, ALL):
             texts.setdefault(name, []).append({"input_ids": prompt + answer, "prompt_length": len(prompt)})
     report = {}
     for name, rows in texts.items():
         forced = evaluate_kappa(target, drafter, rows, k)
-        row = {"num_prompts": len(rows), "teacher_forced": forced, "live": live[name].report()}
-        if with_lookup:
-            row["live_lookup"] = lookup[name].report()
+        row = {"num_prompts": len(rows), "teacher_forced": forced}
+        row.update({run: tallies[run][name].report() for run in runs})
         row["gap"] = max(abs(a - b) for a, b in zip(row["live"]["slot_acceptance"], forced["slot_acceptance"]))
         report[name] = row
     return report
@@ -116,18 +132,16 @@ def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str
 
 def table(report: dict) -> str:
     """The report as a Markdown table: slot acceptance and kappa, teacher-forced vs live, per group."""
-    lookup = any("live_lookup" in row for row in report.values())
-    header = "| group | prompts | slot acceptance, teacher-forced | live | kappa TF | kappa live |" + \
-        (" kappa live + lookup |" if lookup else "") + " gap | rows unlike plain |"
+    runs = [run for run in LIVE_RUNS if run in next(iter(report.values()))]
+    header = "| group | prompts | slot acceptance, teacher-forced | live | kappa TF | " + \
+        " | ".join(LIVE_RUNS[run] for run in runs) + " | gap | rows unlike plain |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, row in sorted(report.items(), key=lambda item: (item[0] == ALL, item[0])):
         forced, live = row["teacher_forced"], row["live"]
         cells = [name, str(row["num_prompts"]), ", ".join(f"{a:.2f}" for a in forced["slot_acceptance"]),
-                 ", ".join(f"{a:.2f}" for a in live["slot_acceptance"]), f"{forced['kappa'][-1]:.2f}",
-                 f"{live['kappa']:.2f}"]
-        if lookup:
-            cells.append(f"{row['live_lookup']['kappa']:.2f}")
-        cells += [f"{row['gap']:.3f}", str(live["mismatched_rows"])]
+                 ", ".join(f"{a:.2f}" for a in live["slot_acceptance"]), f"{forced['kappa'][-1]:.2f}"]
+        cells += [f"{row[run]['kappa']:.2f}" for run in runs]
+        cells += [f"{row['gap']:.3f}", str(sum(row[run]["mismatched_rows"] for run in runs))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -167,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--with-lookup", action="store_true", help="also a live run with prompt lookup")
+    parser.add_argument("--with-suffix", action="store_true",
+                        help="also a live run with prompt lookup and cross-request suffix drafts")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default="bench/drafter_eval", help="writes OUTPUT.json and OUTPUT.png")
@@ -199,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--num-draft-tokens exceeds the drafter's draft_length ({drafter.config.draft_length}).")
     report = evaluate_drafter(target, drafter, [chat_prompt_ids(tokenizer, prompt) for prompt in prompts], groups,
                               args.num_draft_tokens, args.max_new_tokens, eos_token_ids(target, tokenizer),
-                              with_lookup=args.with_lookup)
+                              with_lookup=args.with_lookup, with_suffix=args.with_suffix)
     print(table(report))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

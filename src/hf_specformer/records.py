@@ -27,6 +27,9 @@ META_FILE = "meta.json"
 DATASET_DIR = "dataset"
 GENERATIONS_FILE = "generations.jsonl"
 
+THROUGHPUT_FILE = "throughput{}.json"
+"""Under `PROGRESS_DIR`: what process {rank} generated in its last session (tokens, seconds, tokens/s, kappa)."""
+
 
 def records_file(directory: str, process_index: int = 0) -> str:
     """The records file that process `process_index` appends to in `directory`."""

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from hf_specformer import OracleProposer, Proposal, generate
-from hf_specformer.generation.acceptance import NUM_SOURCES, PRIOR_TRIALS, SIGNALS, AcceptanceTable
+from hf_specformer.generation.acceptance import (
+    NUM_SOURCES,
+    PRIOR_TRIALS,
+    SIGNALS,
+    AcceptanceTable,
+)
+from hf_specformer.generation.batch import RaggedBatch
 from hf_specformer.generation.costs import StepCostModel
 
 PAD = 0
@@ -45,6 +51,17 @@ def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int
     return input_ids, mask
 
 
+def committed_batch(rows: list[list[int]], pad: int = PAD) -> RaggedBatch:
+    """A batch whose rows have committed exactly `rows` (left-padded prompts of different lengths, nothing
+    generated), with junk in the scratch space after each row so a match can never read it."""
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
+    batch = RaggedBatch.start(input_ids, mask, capacity=8, pad_token_id=pad)
+    batch.tokens[:, width:] = 99
+    return batch
+
+
 def noisy_oracle(reference_new_tokens: torch.LongTensor, k: int, vocab: int, corrupt: float, seed: int = 0):
     """An oracle whose continuation has a share `corrupt` of tokens replaced, so rows reject at different places."""
     generator = torch.Generator().manual_seed(seed)
@@ -74,7 +91,7 @@ class SoftOracle(OracleProposer):
 def assert_same_as_generate(
     target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
     lookup_ngram_size=None, confidence_threshold=None, schedule=None, step_costs=TEST_STEP_COSTS,
-    companion_model=None, packed_verification=None, cost_feedback=None, **kwargs
+    companion_model=None, packed_verification=None, cost_feedback=None, suffix_index=None, **kwargs
 ):
     """Speculative output equals `target.generate` token for token; returns the speculative output.
     `None` keeps `generate`'s defaults (the goodput schedule, here with `TEST_STEP_COSTS` taken as they are, so the
@@ -84,7 +101,7 @@ def assert_same_as_generate(
     speculative_only = {
         "lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold, "schedule": schedule,
         "step_costs": step_costs, "companion_model": companion_model, "packed_verification": packed_verification,
-        "cost_feedback": cost_feedback,
+        "cost_feedback": cost_feedback, "suffix_index": suffix_index,
     }
     kwargs_spec = {name: value for name, value in speculative_only.items() if value is not None}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)

@@ -53,10 +53,11 @@ def _speculate(target, drafter, input_ids, mask, max_new_tokens, **kwargs):
 
 @pytest.mark.parametrize("options", [
     {"schedule": "goodput", "lookup_ngram_size": 3},
+    {"schedule": "goodput", "suffix_index": True},
     {"schedule": "goodput", "packed_verification": False},
     {"schedule": "fixed", "num_draft_tokens": 3},
     {"schedule": "fixed", "confidence_threshold": 0.2},
-], ids=["goodput-lookup", "goodput-padded", "fixed", "fixed-threshold"])
+], ids=["goodput-lookup", "goodput-suffix", "goodput-padded", "fixed", "fixed-threshold"])
 def test_at_most_two_host_reads_per_step_and_no_other_wait_that_grows_with_steps(options):
     """Ragged rows without EOS (no row retires before the end), with the cost feedback and its plain steps: the
     engine's counted reads stay within two per step plus the prefill's one, and the operators that wait for the

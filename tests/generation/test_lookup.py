@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import make_drafter, make_target
-from helpers import PAD, assert_same_as_generate, make_batch
+from helpers import PAD, assert_same_as_generate, committed_batch, make_batch
 
 from hf_specformer import PromptLookupProposer, SpecFormerProposer
-from hf_specformer.generation.batch import RaggedBatch
 from hf_specformer.generation.drafting import lookup_drafts
-
-
-def committed_batch(rows: list[list[int]], pad: int = PAD) -> RaggedBatch:
-    """A batch whose rows have committed exactly `rows` (left-padded prompts of different lengths, nothing
-    generated), with junk in the scratch space after each row so a match can never read it."""
-    width = max(map(len, rows))
-    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
-    batch = RaggedBatch.start(input_ids, mask, capacity=8, pad_token_id=pad)
-    batch.tokens[:, width:] = 99
-    return batch
 
 
 def test_lookup_finds_the_latest_longest_match_and_stops_at_the_prefix():

@@ -15,9 +15,16 @@ import pytest
 import torch
 from conftest import CHAT_PROMPTS, make_drafter, tiny_chat_target
 from datasets import load_from_disk
-from test_train import free_port
+from training_helpers import free_port
 
-from hf_specformer.batch_generation import GENERATIONS_FILE, GenerationSettings, generate_dataset, main
+from hf_specformer import SuffixIndex
+from hf_specformer.batch_generation import (
+    GENERATIONS_FILE,
+    GenerationSettings,
+    generate_dataset,
+    main,
+)
+from hf_specformer.records import PROGRESS_DIR, THROUGHPUT_FILE
 
 SPECULATION = {"schedule": "fixed", "num_draft_tokens": 2, "lookup_ngram_size": 2}
 """Fixed width, so every step verifies drafts (the goodput scheduler would rightly decode plainly with a random
@@ -43,6 +50,24 @@ def test_speculative_answers_equal_plain_answers(target, tokenizer, tmp_path, ca
     lines = [json.loads(line) for line in (tmp_path / "spec" / GENERATIONS_FILE).read_text().splitlines()]
     assert lines == [{"id": i, "prompt": p, "response": r}
                      for i, p, r in zip(spec["id"], CHAT_PROMPTS, spec["response"])]
+
+
+def test_one_suffix_index_serves_every_batch_of_the_job(target, tokenizer, tmp_path):
+    """Suffix drafts from earlier batches' prompts and answers: the same answers as plain decoding, and the index
+    holds every prompt and answer the job generated."""
+    settings = GenerationSettings(max_new_tokens=24, batch_size=2)
+    plain = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "plain"), settings, progress=False)
+    index = SuffixIndex()
+    speculation = {"assistant_model": make_drafter(target, draft_length=2), **SPECULATION, "suffix_index": index}
+    spec = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "spec"), settings, speculation=speculation,
+                            progress=False)
+    assert spec["response"] == plain["response"]
+    assert len(index) == len(CHAT_PROMPTS)
+    throughput = json.loads((tmp_path / "spec" / PROGRESS_DIR / THROUGHPUT_FILE.format(0)).read_text())
+    assert throughput["tokens"] == sum(len(ids) - length for ids, length in zip(spec["input_ids"],
+                                                                               spec["prompt_length"]))
+    assert throughput["kappa"] > 1.0 and throughput["num_prompts"] == len(CHAT_PROMPTS)
+    assert sorted(map(len, index.sequences)) == sorted(map(len, spec["input_ids"]))
 
 
 def test_sampling_is_seeded_and_resumes_without_regenerating(target, tokenizer, tmp_path):

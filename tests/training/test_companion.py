@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_companion, make_drafter, make_target
 from datasets import Dataset
-from test_train import (  # single_thread: the autouse fixture of the training tests
+from training_helpers import (  # single_thread: the autouse fixture of the training tests
     learnable_target,
     make_config,
     random_dataset,

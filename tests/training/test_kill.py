@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import make_target, tiny_chat_target
 from safetensors.torch import load_file
-from test_train import make_config, read_metrics, repetitive_dataset
+from training_helpers import make_config, read_metrics, repetitive_dataset
 
 from hf_specformer.targets import load_tokenizer
 from hf_specformer.training.train_drafter import train

@@ -8,7 +8,11 @@ import pytest
 from conftest import tiny_chat_target
 
 from hf_specformer.targets import load_target
-from hf_specformer.training.synthesize import CATEGORY_SYSTEM_PROMPTS, synthesize_prompts, user_turn_prefix_ids
+from hf_specformer.training.synthesize import (
+    CATEGORY_SYSTEM_PROMPTS,
+    synthesize_prompts,
+    user_turn_prefix_ids,
+)
 
 NUM_PROMPTS, BATCH_SIZE, MAX_NEW_TOKENS = 6, 4, 48
 

@@ -5,6 +5,7 @@ from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
 from .generate import generate
 from .linears import few_row_products
 from .stats import SpecStats
+from .suffix import SuffixIndex, SuffixProposer
 
 __all__ = [
     "OracleProposer",
@@ -14,6 +15,8 @@ __all__ = [
     "SpecFormerProposer",
     "SpecStats",
     "SpeculativeDecoderOnlyOutput",
+    "SuffixIndex",
+    "SuffixProposer",
     "few_row_products",
     "generate",
     "speculative_decode",

@@ -44,13 +44,16 @@ class Proposal:
         logits: `[B, k, V]` the proposer's network's draft logits, unprocessed (None: the network did not draft).
         ids: `[B, k]` drafts fixed by a free source, read where `sources == LOOKUP` (None: no such drafts). They
             are not logits-processed or sampled: their draft distribution is one-hot, so verification stays lossless.
-        sources: `[B, k]` where each draft comes from, `acceptance.DRAFTER`, `LOOKUP` or `NO_DRAFT` (None: the
-            network, everywhere).
+        sources: `[B, k]` where each draft comes from, `acceptance.DRAFTER`, `LOOKUP` (a free source: prompt
+            lookup or suffix drafts) or `NO_DRAFT` (None: the network, everywhere).
+        confidence: `[B, k]` the free source's confidence in its drafts, which the acceptance estimates read as a
+            drafter's (None: 1, as for prompt lookup; suffix drafts give their frequency, `suffix.py`).
     """
 
     logits: torch.Tensor | None = None
     ids: torch.LongTensor | None = None
     sources: torch.LongTensor | None = None
+    confidence: torch.Tensor | None = None
 
     @property
     def drafted(self) -> bool:
@@ -62,9 +65,14 @@ class Proposal:
         """Whether nothing is proposed."""
         return self.logits is None and self.ids is None
 
+    def fixed_confidence(self) -> torch.Tensor:
+        """`[B, k]` the confidence of the free drafts (`confidence`, or 1 where None); needs `ids`."""
+        return torch.ones(self.ids.shape, device=self.ids.device) if self.confidence is None else self.confidence
+
     def select_rows(self, keep: torch.LongTensor) -> "Proposal":
         """The proposal for the rows `keep` (`[B']`)."""
-        return Proposal(*(None if tensor is None else tensor[keep] for tensor in (self.logits, self.ids, self.sources)))
+        return Proposal(*(None if tensor is None else tensor[keep]
+                          for tensor in (self.logits, self.ids, self.sources, self.confidence)))
 
 
 class Proposer(ABC):
@@ -301,7 +309,11 @@ class PromptLookupProposer(Proposer):
         proposal = self.proposer.propose(batch, hidden_states, position_ids, source_index, draft)
         ids, found = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
         elsewhere = proposal.sources if proposal.sources is not None else DRAFTER if proposal.drafted else NO_DRAFT
-        return Proposal(proposal.logits, ids, torch.where(found, LOOKUP, elsewhere))
+        if proposal.ids is None:
+            return Proposal(proposal.logits, ids, torch.where(found, LOOKUP, elsewhere))
+        confidence = torch.where(found, 1.0, proposal.fixed_confidence())  # the wrapped free drafts where none found
+        return Proposal(proposal.logits, torch.where(found, ids, proposal.ids), torch.where(found, LOOKUP, elsewhere),
+                        confidence)
 
 
 class OracleProposer(Proposer):

@@ -68,6 +68,9 @@ the running machine; each row verifies its own number of drafts in a packed step
 only the inputs verified (`packed_verification=False`: padded steps of one width); a call where no step with
 drafts can pay runs plain decoding; `"fixed"`: verify k every step),
 `companion_model` (a Speculative Verification companion: its (S, A) signals replace the drafter's confidence),
+`suffix_index` (`True`: cross-request suffix drafts, where a row's last n tokens occurred in any row of the batch,
+their most frequent continuation, with its frequency as confidence; with the `hf-specformer` package, a
+`SuffixIndex` kept across calls adds earlier calls' prompts and outputs),
 `step_costs` (the scheduler's cost model, to override the measurement), `confidence_threshold` (with
 `schedule="fixed"`: a row verifies its drafts while their cumulative draft probability is at least this).
 Outputs are those of `generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted

@@ -58,7 +58,7 @@ def draft_confidence(draft_probs: torch.Tensor, draft_ids: torch.LongTensor, sam
 
 def draft_features(
     signal: str, draft_probs: torch.Tensor | None, draft_ids: torch.LongTensor, sources: torch.LongTensor,
-    companion_probs: torch.Tensor | None = None, sampled: bool = False,
+    companion_probs: torch.Tensor | None = None, sampled: bool = False, fixed_confidence: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The signal of each draft -> `[B, k, F]` (F = `SIGNALS[signal]`).
 
@@ -68,16 +68,19 @@ def draft_features(
         draft_ids: `[B, k]` the drafts; sources: `[B, k]` their sources.
         companion_probs: `[B, k, V]` P_c (signal "sv").
         sampled: the network's drafts were sampled (`draft_confidence`).
+        fixed_confidence: `[B, k]` the confidence a free source gives its drafts (None: 1).
 
-    A looked-up draft's distribution is one-hot, so its confidence is 1 and its (S, A) are both P_c(d); it needs no
-    distribution over the vocabulary. Entries at `NO_DRAFT` positions are meaningless (estimated 0 anyway)."""
+    A looked-up draft's distribution is one-hot, so its confidence is 1 (or what its source says, as suffix drafts'
+    frequency) and its (S, A) are both P_c(d); it needs no distribution over the vocabulary. Entries at `NO_DRAFT`
+    positions are meaningless (estimated 0 anyway)."""
     lookup = (sources == LOOKUP)[..., None]
     if signal == "sv":
         p_c = companion_probs.gather(2, draft_ids[..., None]).float()
         fixed = torch.cat([p_c, p_c], dim=-1)
         network = sv_features(draft_probs, companion_probs, draft_ids, sampled) if draft_probs is not None else fixed
     else:
-        fixed = torch.ones(*draft_ids.shape, 1, device=draft_ids.device)
+        fixed = torch.ones(*draft_ids.shape, 1, device=draft_ids.device) if fixed_confidence is None \
+            else fixed_confidence[..., None].float()
         network = draft_confidence(draft_probs, draft_ids, sampled)[..., None].float() if draft_probs is not None \
             else fixed
     return torch.where(lookup, fixed, network)
@@ -277,13 +280,15 @@ class AcceptanceEstimator:
     def estimate(
         self, draft_probs: torch.Tensor | None, draft_ids: torch.LongTensor, sources: torch.LongTensor,
         companion_probs: torch.Tensor | None = None, sampled: bool = False,
+        fixed_confidence: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """P_d `[B, k, V]` (None: no network drafts), drafts `[B, k]`, sources `[B, k]`, P_c `[B, k, V]` (signal
         "sv") -> q `[B, k]`, the chance that drafts 1..j are all accepted (0 from a position without a draft on).
         `sampled`: the network's drafts were sampled, so the signals read their distributions only
-        (`draft_confidence`)."""
+        (`draft_confidence`); `fixed_confidence`: see `draft_features`."""
         batch, k = draft_ids.shape
-        features = draft_features(self.signal, draft_probs, draft_ids, sources, companion_probs, sampled)
+        features = draft_features(self.signal, draft_probs, draft_ids, sources, companion_probs, sampled,
+                                  fixed_confidence)
         slots = torch.arange(k, device=draft_ids.device).expand(batch, k)
         features, sources, slots = features.flatten(0, 1), sources.flatten(), slots.flatten()
         per_draft = self.table.estimate(features, sources, slots).masked_fill(sources == NO_DRAFT, 0.0)

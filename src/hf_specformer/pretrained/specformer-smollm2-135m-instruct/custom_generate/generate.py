@@ -34,6 +34,11 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         probability is at least this (default 0: all k; looked-up drafts count as certain).
     kernel_backend: verification's kernels: "auto" (Triton on CUDA), "triton" or "torch" (`hf_specformer.kernels`;
         default: `$HF_SPECFORMER_KERNELS`, else "auto").
+    suffix_index: add cross-request suffix drafts (`suffix.py`): where a row's last n committed tokens (n = 4 down
+        to 2) occurred in the batch's rows or in the `SuffixIndex`'s earlier requests, their most frequent
+        continuation drafts, with its frequency as confidence; prompt lookup's drafts go first. A `SuffixIndex`
+        also receives the call's rows (prompts and outputs) at the end, for later calls; True: a fresh one for
+        this call only. Default None: off.
 transformers' names are accepted too, as arguments or in a `GenerationConfig`: `num_assistant_tokens` (k),
 `assistant_confidence_threshold`, `max_matching_ngram_size` (lookup n-gram), `prompt_lookup_num_tokens` (lookup
 on, k; 0: off) and `num_assistant_tokens_schedule` ("constant": fixed, "heuristic": goodput).
@@ -52,6 +57,7 @@ from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList
 from .drafting import PromptLookupProposer, Proposer, SpecFormerProposer
 from .engine import speculative_decode
 from .speculation import COMPACTION_HOLE_FRACTION, TRANSFORMERS_NAMES, SpeculationConfig
+from .suffix import SuffixIndex, SuffixProposer
 from .validation import (
     check_arguments,
     check_cache_layers,
@@ -59,15 +65,33 @@ from .validation import (
     check_prompt,
     max_new_tokens,
     resolved_config,
+    resolved_pad_token_id,
 )
 
-def _make_proposer(model, assistant_model, num_draft_tokens: int | None, lookup_ngram_size: int) -> Proposer:
+def _make_proposer(model, assistant_model, num_draft_tokens: int | None, lookup_ngram_size: int,
+                   suffix_index: SuffixIndex | None) -> Proposer:
     """The proposer behind `assistant_model`, bound to `model` and checked against it, with prompt lookup on top
-    when `lookup_ngram_size` > 0 (unless it is a `PromptLookupProposer` already)."""
+    when `lookup_ngram_size` > 0 and suffix drafts from `suffix_index` on top of that (a given `PromptLookupProposer`
+    or `SuffixProposer` is used as it is)."""
     proposer = _assistant_proposer(model, assistant_model, num_draft_tokens)
-    if not lookup_ngram_size or not proposer.num_draft_tokens or isinstance(proposer, PromptLookupProposer):
+    if not proposer.num_draft_tokens:
         return proposer
-    return PromptLookupProposer(proposer, lookup_ngram_size)
+    if lookup_ngram_size and not isinstance(proposer, (PromptLookupProposer, SuffixProposer)):
+        proposer = PromptLookupProposer(proposer, lookup_ngram_size)
+    if suffix_index is None or isinstance(proposer, SuffixProposer):
+        return proposer
+    return SuffixProposer(proposer, suffix_index)
+
+
+def _suffix_index(suffix_index) -> SuffixIndex | None:
+    """`generate`'s `suffix_index` argument -> the index (True: a fresh one, for this call's rows only)."""
+    if suffix_index is None or suffix_index is False:
+        return None
+    if suffix_index is True:
+        return SuffixIndex(max_tokens=0)
+    if not isinstance(suffix_index, SuffixIndex):
+        raise TypeError(f"suffix_index must be a SuffixIndex, True or None, got {type(suffix_index).__name__}.")
+    return suffix_index
 
 
 def _assistant_proposer(model, assistant_model, num_draft_tokens: int | None) -> Proposer:
@@ -178,6 +202,7 @@ def generate(
     packed_verification: bool = True,
     cost_feedback: bool = True,
     kernel_backend: str | None = None,
+    suffix_index: SuffixIndex | bool | None = None,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -197,7 +222,10 @@ def generate(
     check_prompt(model, input_ids, unused.get("attention_mask"))
     check_arguments(model, config, unused, input_ids, streamer, synced_gpus)
     check_logits_processors(logits_processor)
-    proposer = _make_proposer(model, assistant_model, speculation.num_draft_tokens, speculation.lookup_ngram_size)
+    suffix_index = _suffix_index(suffix_index)
+    proposer = _make_proposer(
+        model, assistant_model, speculation.num_draft_tokens, speculation.lookup_ngram_size, suffix_index
+    )
     check_cache_layers(model, input_ids.shape[1], max_new_tokens(config, input_ids.shape[1]), proposer.num_draft_tokens)
     companion = _bind_companion(model, companion_model)
     stopping_criteria, generation_config = _stop_string_criteria(config, generation_config, stopping_criteria, kwargs)
@@ -216,4 +244,8 @@ def generate(
         acceptance_table=_acceptance_table(assistant_model, companion) if speculation.schedule == "goodput" else None,
         **kwargs,
     )
+    if suffix_index is not None:
+        sequences = result if isinstance(result, torch.Tensor) else result.sequences
+        suffix_index.add_generated(sequences, unused.get("attention_mask"), input_ids.shape[1],
+                                   resolved_pad_token_id(config))
     return result

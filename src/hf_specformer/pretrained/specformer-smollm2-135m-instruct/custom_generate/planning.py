@@ -126,7 +126,8 @@ def plan_step(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Pr
     draft_ids, sources, draft_probs = draft_tokens(batch, processor, proposal, do_sample, needs_probs)
     if estimator is None:
         if scheduler.needs_confidence:
-            confidence = draft_features("confidence", draft_probs, draft_ids, sources, sampled=do_sample)[..., 0]
+            confidence = draft_features("confidence", draft_probs, draft_ids, sources, sampled=do_sample,
+                                        fixed_confidence=proposal.confidence)[..., 0]
             scores = reads(confidence.masked_fill(batch.finished[:, None], 0.0))
         else:  # every row verifies k: nothing to read
             scores = torch.ones(draft_ids.shape)
@@ -134,6 +135,6 @@ def plan_step(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Pr
     companion_probs = (
         _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
     )
-    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample)
+    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample, proposal.confidence)
     predicted = predicted.masked_fill(batch.finished[:, None], 0.0)  # the scheduler spends nothing on padding
     return draft_ids, sources, draft_probs, scheduler.choose(reads(predicted), proposal.drafted), predicted

@@ -113,14 +113,18 @@ def check_arguments(model, config: GenerationConfig, unused: dict, input_ids, st
         raise ValueError(f"Speculative generation returns sequences and statistics only; unsupported: {requested}.")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("A streamer needs batch size 1.")
-    pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-    if isinstance(pad_token_id, list):
-        pad_token_id = pad_token_id[0]
+    pad_token_id = resolved_pad_token_id(config)
     if unused.get("attention_mask") is None and input_ids.shape[0] > 1 and pad_token_id is not None:
         if bool((input_ids[:, 0] == pad_token_id).any()):
             raise ValueError(
                 "The batch looks left-padded but no `attention_mask` was given: pass the tokenizer's attention_mask."
             )
+
+
+def resolved_pad_token_id(config: GenerationConfig) -> int | None:
+    """The token `generate` pads finished rows with: `pad_token_id`, else the (first) `eos_token_id`."""
+    pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    return pad_token_id[0] if isinstance(pad_token_id, list) else pad_token_id
 
 
 def check_logits_processors(logits_processor) -> None:
