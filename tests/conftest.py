@@ -72,9 +72,10 @@ def pytest_report_header(config):
 
 
 @pytest.fixture(autouse=True)
-def step_costs_cache(tmp_path_factory, monkeypatch):
-    """Measured step costs go to a folder of this test session, not the user's cache."""
-    monkeypatch.setenv("HF_SPECFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "hf_specformer_cache"))
+def step_costs_cache(tmp_path, monkeypatch):
+    """Measured step costs go to a folder of this test, neither the user's cache nor one that earlier tests filled
+    (what a call learns depends on the timings of the machine at that moment)."""
+    monkeypatch.setenv("HF_SPECFORMER_CACHE", str(tmp_path / "hf_specformer_cache"))
 
 
 @pytest.fixture(params=sorted(TARGET_FACTORIES))
