@@ -5,11 +5,13 @@ from .generation import (
     PromptLookupProposer,
     Proposal,
     Proposer,
+    RequestOutput,
     SpecFormerProposer,
     SpecStats,
     SuffixIndex,
     SuffixProposer,
     generate,
+    generate_batch,
 )
 from .hub.export import complete_hub_folder
 from .models import (
@@ -33,6 +35,7 @@ __all__ = [
     "PromptLookupProposer",
     "Proposal",
     "Proposer",
+    "RequestOutput",
     "SpecFormerConfig",
     "SpecFormerForDrafting",
     "SpecFormerOutput",
@@ -42,4 +45,5 @@ __all__ = [
     "SuffixProposer",
     "__version__",
     "generate",
+    "generate_batch",
 ]

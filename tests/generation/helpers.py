@@ -51,13 +51,21 @@ def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int
     return input_ids, mask
 
 
+def started_batch(input_ids: torch.LongTensor, attention_mask, capacity: int, pad_token_id: int = PAD) -> RaggedBatch:
+    """A `RaggedBatch` of every row of `input_ids` (`[B, P]`), admitted as the engine admits them, before their
+    prefill."""
+    batch = RaggedBatch.start(input_ids, attention_mask, capacity, pad_token_id)
+    batch.join(batch.admission(torch.arange(input_ids.shape[0]), input_ids.shape[1]))
+    return batch
+
+
 def committed_batch(rows: list[list[int]], pad: int = PAD) -> RaggedBatch:
     """A batch whose rows have committed exactly `rows` (left-padded prompts of different lengths, nothing
     generated), with junk in the scratch space after each row so a match can never read it."""
     width = max(map(len, rows))
     input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
-    batch = RaggedBatch.start(input_ids, mask, capacity=8, pad_token_id=pad)
+    batch = started_batch(input_ids, mask, capacity=8, pad_token_id=pad)
     batch.tokens[:, width:] = 99
     return batch
 
@@ -91,7 +99,8 @@ class SoftOracle(OracleProposer):
 def assert_same_as_generate(
     target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
     lookup_ngram_size=None, confidence_threshold=None, schedule=None, step_costs=TEST_STEP_COSTS,
-    companion_model=None, packed_verification=None, cost_feedback=None, suffix_index=None, **kwargs
+    companion_model=None, packed_verification=None, cost_feedback=None, suffix_index=None, max_batch_size=None,
+    **kwargs
 ):
     """Speculative output equals `target.generate` token for token; returns the speculative output.
     `None` keeps `generate`'s defaults (the goodput schedule, here with `TEST_STEP_COSTS` taken as they are, so the
@@ -101,7 +110,7 @@ def assert_same_as_generate(
     speculative_only = {
         "lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold, "schedule": schedule,
         "step_costs": step_costs, "companion_model": companion_model, "packed_verification": packed_verification,
-        "cost_feedback": cost_feedback, "suffix_index": suffix_index,
+        "cost_feedback": cost_feedback, "suffix_index": suffix_index, "max_batch_size": max_batch_size,
     }
     kwargs_spec = {name: value for name, value in speculative_only.items() if value is not None}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)

@@ -4,6 +4,7 @@ over ragged prefixes. (The engine tests check them end to end against `generate`
 from __future__ import annotations
 
 import torch
+from helpers import PAD, started_batch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
@@ -16,13 +17,12 @@ from hf_specformer.generation.batch import RaggedBatch
 from hf_specformer.generation.committing import Committer
 from hf_specformer.generation.processing import RaggedLogitsProcessor
 
-PAD = 0
 
 
 def _two_row_batch() -> RaggedBatch:
     """Row 0: one padding column and 2 prompt tokens, then a step of 3 inputs of which 1 is kept; row 1: 3 prompt
     tokens and all 3 inputs kept. Masks [0 1 1 1 0 0] and [1 1 1 1 1 1]."""
-    batch = RaggedBatch.start(torch.tensor([[PAD, 5, 6], [4, 5, 6]]), torch.tensor([[0, 1, 1], [1, 1, 1]]), 8, PAD)
+    batch = started_batch(torch.tensor([[PAD, 5, 6], [4, 5, 6]]), torch.tensor([[0, 1, 1], [1, 1, 1]]), 8, PAD)
     batch.commit_prompt()
     batch.commit_cache(torch.tensor([1, 3]), 3)
     batch.refresh(torch.Tensor.cpu)
@@ -64,7 +64,7 @@ class StopAfterSeven(StoppingCriteria):
 
 
 def test_committer_cuts_rows_at_eos_at_max_new_tokens_and_at_a_stopping_criterion():
-    batch = RaggedBatch.start(torch.full((5, 2), 5), None, 8, PAD)
+    batch = started_batch(torch.full((5, 2), 5), None, 8, PAD)
     batch.num_generated[3] = 3  # two new tokens left of max_new_tokens = 5
     batch.finished[4] = True  # already finished: commits nothing
     commit = Committer(StoppingCriteriaList([StopAfterSeven()]), _generation_config(eos=2), 5, streamer=None)
@@ -76,7 +76,7 @@ def test_committer_cuts_rows_at_eos_at_max_new_tokens_and_at_a_stopping_criterio
 
 
 def test_committer_keeps_counts_shorter_than_the_tokens_given():
-    batch = RaggedBatch.start(torch.full((2, 2), 5), None, 8, PAD)
+    batch = started_batch(torch.full((2, 2), 5), None, 8, PAD)
     commit = Committer(None, _generation_config(eos=2), 10, streamer=None)
     finished = commit(batch, torch.tensor([[3, 2, 4], [3, 4, 2]]), torch.tensor([1, 2]))  # EOS past the counts
     assert finished.tolist() == [False, False] and batch.num_generated.tolist() == [1, 2]
@@ -85,7 +85,7 @@ def test_committer_keeps_counts_shorter_than_the_tokens_given():
 def _ragged_batch_with_drafts() -> RaggedBatch:
     """Three rows that generated 0, 2 and 1 tokens, with drafts written after each prefix."""
     generator = torch.Generator().manual_seed(0)
-    batch = RaggedBatch.start(torch.randint(3, 12, (3, 4), generator=generator), None, 8, PAD)
+    batch = started_batch(torch.randint(3, 12, (3, 4), generator=generator), None, 8, PAD)
     batch.commit_tokens(torch.randint(3, 12, (3, 2), generator=generator), torch.tensor([0, 2, 1]))
     batch.write(torch.randint(3, 12, (3, 3), generator=generator))
     return batch

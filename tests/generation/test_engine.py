@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_VOCAB, make_companion, make_drafter, make_target
-from helpers import PAD, SoftOracle, assert_same_as_generate, make_batch, noisy_oracle, optimistic_table
+from helpers import (
+    PAD, SoftOracle, assert_same_as_generate, make_batch, noisy_oracle, optimistic_table, started_batch,
+)
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
-from hf_specformer.generation.batch import RaggedBatch, padded_batch_size
+from hf_specformer.generation.batch import padded_batch_size
 from hf_specformer.generation.forwards import LoopLayers, cache_argument, target_forward
 from hf_specformer.training.target_states import next_token_ids
 
@@ -411,7 +413,7 @@ def test_padded_batch_size():
 
 
 def test_rows_to_keep_keeps_finished_rows_as_padding_up_to_the_padded_size():
-    batch = RaggedBatch.start(torch.ones(8, 2, dtype=torch.long), None, capacity=4, pad_token_id=PAD)
+    batch = started_batch(torch.ones(8, 2, dtype=torch.long), None, capacity=4, pad_token_id=PAD)
     batch.finished = torch.tensor([0, 1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)  # 6 live: stays at 8
     batch.refresh(torch.Tensor.cpu)
     assert batch.rows_to_keep() is None

@@ -7,11 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY_VOCAB, make_drafter, make_target
-from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
+from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table, started_batch
 from transformers.cache_utils import DynamicCache
 
 from hf_specformer import OracleProposer, SpecFormerProposer
-from hf_specformer.generation.batch import RaggedBatch
 from hf_specformer.generation.caching import PreallocatedCache
 from hf_specformer.generation import engine, feedback, scheduling
 from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_LOSS, HANDOFF_MARGIN, HandOff, OnlineStepCosts
@@ -76,7 +75,7 @@ def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_to
             torch.nn.init.normal_(module.weight, std=0.5)
     input_ids, mask = make_batch(3, seed=6)
     cache = PreallocatedCache(target.config.num_hidden_layers, capacity=64)
-    batch = RaggedBatch.start(input_ids, mask, 16, PAD)
+    batch = started_batch(input_ids, mask, 16, PAD)
     every, deferring = SpecFormerProposer(drafter, 3), SpecFormerProposer(drafter, 3)
     for proposer in (every, deferring):
         proposer.start(64)

@@ -73,10 +73,12 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
      ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 23, "goodput"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 41, "companion"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 43, "goodput-feedback"),
-     ({"temperature": 1.0}, None, [3, 7, 1, 5], 47, "suffix")],
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 47, "suffix"),
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 53, "continuous")],
     ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup",
          "t1.0-threshold", "t1.0-goodput", "t1.0-goodput-padded", "t0.8-topk5-lookup-goodput",
-         "t1.0-goodput-companion", "t1.0-goodput-feedback", "t1.0-suffix-goodput"],
+         "t1.0-goodput-companion", "t1.0-goodput-feedback", "t1.0-suffix-goodput",
+         "t1.0-continuous-goodput"],
 )
 def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, schedule):
     """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest.
@@ -89,7 +91,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     `goodput-padded`: one width per step, 0 (a plain sampled step) included (checked); `companion`: goodput with
     SV's (S, A) signals from a companion; `goodput-feedback`: no step costs given, so each call runs a plain step
     first (checked), then verifies drafts and chooses from costs learnt from its own timings; `suffix`: goodput with
-    suffix drafts, which each row takes from the other rows' samples, with their frequency as confidence (checked)."""
+    suffix drafts, which each row takes from the other rows' samples, with their frequency as confidence (checked);
+    `continuous`: 700 rows decoded at once, the others admitted as rows finish (checked)."""
     target = sharp_target()
     drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
     prompt = torch.tensor(prompt)
@@ -111,6 +114,7 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
                           cost_feedback=False),
         "goodput-feedback": dict(schedule="goodput"),  # no costs: learnt from the call's own timed steps
         "suffix": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False, suffix_index=True),
+        "continuous": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False, max_batch_size=700),
     }[schedule]
     rows, accepted, drafted = [], 0, 0
     for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
@@ -135,6 +139,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
         assert stats.width_counts[0] > 0, stats.width_counts
     if schedule == "goodput-padded":
         assert stats.width_counts[0] > 0 and sum(stats.width_counts[1:]) > 0, stats.width_counts
+    if schedule == "continuous":
+        assert stats.row_steps <= 700 * stats.steps, (stats.row_steps, stats.steps)
     if schedule == "suffix":
         assert stats.looked_up > 1000, "from the second step on, rows draft from the other rows' samples"
     if prompt.tolist() == LOOKUP_PROMPT:

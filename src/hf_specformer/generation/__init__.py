@@ -4,6 +4,7 @@ from .drafting import OracleProposer, PromptLookupProposer, Proposal, Proposer, 
 from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
 from .generate import generate
 from .linears import few_row_products
+from .requests import RequestOutput, generate_batch
 from .stats import SpecStats
 from .suffix import SuffixIndex, SuffixProposer
 
@@ -12,6 +13,7 @@ __all__ = [
     "PromptLookupProposer",
     "Proposal",
     "Proposer",
+    "RequestOutput",
     "SpecFormerProposer",
     "SpecStats",
     "SpeculativeDecoderOnlyOutput",
@@ -19,5 +21,6 @@ __all__ = [
     "SuffixProposer",
     "few_row_products",
     "generate",
+    "generate_batch",
     "speculative_decode",
 ]

@@ -85,6 +85,26 @@ class PreallocatedLayer(DynamicLayer):
             buffer[: indices.numel(), :, : self.length] = buffer[indices, :, : self.length]
         self._view(indices.numel())
 
+    def append_rows(self, other: "PreallocatedLayer") -> None:
+        """Appends `other`'s rows `[n, H, L', D]` after the active rows `[B, H, L, D]`, column by column; both are
+        padded with zeros to max(L, L') columns (hidden by the attention mask, and zeros rather than stale memory,
+        which a masked softmax weight of 0 would still turn into NaN where it held NaN)."""
+        if not other.is_initialized:
+            return
+        if not self.is_initialized:  # buffers for as many rows as the first rows admitted (the call's slots)
+            self.lazy_initialization(other.keys, other.values)
+            self._view(0)
+        batch, added = self.keys.shape[0], other.keys.shape[0]
+        if batch + added > self.key_buffer.shape[0]:
+            raise RuntimeError(f"PreallocatedLayer holds {self.key_buffer.shape[0]} rows; {batch + added} were asked for.")
+        length = max(self.length, other.length)
+        for buffer, new in ((self.key_buffer, other.keys), (self.value_buffer, other.values)):
+            buffer[:batch, :, self.length: length] = 0
+            buffer[batch: batch + added, :, : other.length] = new
+            buffer[batch: batch + added, :, other.length: length] = 0
+        self.length = length
+        self._view(batch + added)
+
     def gather_columns(self, index: torch.LongTensor) -> None:
         """Keeps, per row, the used columns `index` (`[B, L]`), which become the first L."""
         if not self.is_initialized:
@@ -118,6 +138,11 @@ class PreallocatedCache(Cache):
         one that builds its layers lazily: all full)."""
         sliding = [bool(getattr(layer, "is_sliding", False)) for layer in cache.layers] or None
         return cls(len(cache.layers) or num_layers, capacity, sliding)
+
+    def append_rows(self, other: "PreallocatedCache") -> None:
+        """Appends `other`'s rows after the active ones in every layer (`PreallocatedLayer.append_rows`)."""
+        for layer, new in zip(self.layers, other.layers, strict=True):
+            layer.append_rows(new)
 
     @property
     def columns(self) -> int:

@@ -25,6 +25,7 @@ Bundled into `custom_generate/`: it reaches the drafter only through its `forwar
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -74,6 +75,31 @@ class Proposal:
         return Proposal(*(None if tensor is None else tensor[keep]
                           for tensor in (self.logits, self.ids, self.sources, self.confidence)))
 
+    def join(self, other: "Proposal", num_rows: int, other_rows: int, num_draft_tokens: int) -> "Proposal":
+        """This proposal's `num_rows` rows followed by `other`'s `other_rows`: both drafted or neither (one call's
+        proposals: rows admitted mid-call are proposed for as the running rows are). Free drafts that only one side
+        has are filled with none on the other (source `NO_DRAFT`, or `DRAFTER` where the network drafted)."""
+        if self.drafted != other.drafted:
+            raise ValueError("Proposals join only if both drafted or neither.")
+        logits = None if self.logits is None else torch.cat([self.logits, other.logits])
+        if self.ids is None and other.ids is None:
+            return Proposal(logits)
+        device = (self.ids if self.ids is not None else other.ids).device
+        sides = [part._free_drafts(rows, num_draft_tokens, device) for part, rows in ((self, num_rows),
+                                                                                        (other, other_rows))]
+        return Proposal(logits, *(torch.cat(pair) for pair in zip(*sides)))
+
+    def _free_drafts(self, num_rows: int, num_draft_tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(ids, sources, confidence), each `[B, k]`, with none where this proposal has no free drafts."""
+        if self.ids is not None:
+            sources = self.sources if self.sources is not None else torch.full_like(
+                self.ids, DRAFTER if self.drafted else NO_DRAFT)
+            return self.ids, sources, self.fixed_confidence()
+        shape = (num_rows, num_draft_tokens)
+        return (torch.zeros(shape, dtype=torch.long, device=device),
+                torch.full(shape, DRAFTER if self.drafted else NO_DRAFT, dtype=torch.long, device=device),
+                torch.ones(shape, device=device))
+
 
 class Proposer(ABC):
     """Base class. Subclasses set `requires_hidden_states` and implement `propose`.
@@ -93,6 +119,12 @@ class Proposer(ABC):
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         """Keeps the deferred state of the active rows `keep` (`[B']`); the engine selects the caches' rows."""
+
+    def fork(self, capacity: int) -> "Proposer":
+        """A proposer for rows admitted mid-call, started with caches of `capacity` columns for their prefill (the
+        engine then flushes it and appends its caches' rows to this one's): same networks and settings, its own
+        per-row state. Default: this proposer, for proposers without per-row state."""
+        return self
 
     def flush(self, batch: RaggedBatch) -> None:
         """Runs deferred work, so the caches hold every column the target's has (before compaction)."""
@@ -170,7 +202,12 @@ class SpecFormerProposer(Proposer):
         self.deferred = []
 
     def select_rows(self, keep: torch.LongTensor) -> None:
-        self.deferred = [tuple(tensor[keep] for tensor in inputs) for inputs in self.deferred]
+        self.deferred = [tuple(tensor[keep] for tensor in inputs) for inputs in self.deferred] if keep.numel() else []
+
+    def fork(self, capacity: int) -> "SpecFormerProposer":
+        forked = copy.copy(self)  # a subclass stays itself
+        forked.start(capacity)
+        return forked
 
     def flush(self, batch: RaggedBatch) -> None:
         if self.deferred:
@@ -284,6 +321,11 @@ class PromptLookupProposer(Proposer):
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.proposer.select_rows(keep)
+
+    def fork(self, capacity: int) -> "PromptLookupProposer":
+        forked = copy.copy(self)
+        forked.proposer = self.proposer.fork(capacity)
+        return forked
 
     def flush(self, batch: RaggedBatch) -> None:
         self.proposer.flush(batch)

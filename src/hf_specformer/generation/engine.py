@@ -9,6 +9,8 @@ confidence, or from a companion model's distribution at each drafted position (S
 every step's outcomes update its table. No acceptance math here (`verification.py`), no ragged bookkeeping
 (`batch.py`), no drafting (`drafting.py`); what a step verifies is planned in `planning.py`, tokens are committed in
 `committing.py`, the target forward and its CPU speed-ups live in `forwards.py`, step costs in `profiling.py`.
+The prefill is an admission (`_admit`): every row at the start, or with `max_batch_size` the first rows, the others
+joining as running rows finish (`admission.py`).
 
 `speculative_decode` has the signature of a `generate` decoding method, so `GenerationMixin.generate` prepares
 inputs, the cache, logits processors and stopping criteria exactly as for plain decoding and then calls it
@@ -26,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import LOOKUP, AcceptanceTable
+from .admission import Admissions
 from .batch import RaggedBatch
 from .caching import PreallocatedCache
 from .committing import Committer, pad_token_id
@@ -65,6 +68,71 @@ def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int
     return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
 
 
+@dataclass
+class _Loop:
+    """What a call's steps and admissions share, fixed for the call."""
+
+    model: torch.nn.Module
+    given_cache: Cache  # transformers' cache for the call, whose layer kinds the engine's caches copy
+    proposer: Proposer
+    scheduler: Schedule
+    processor: RaggedLogitsProcessor
+    commit: Committer
+    layers: LoopLayers
+    companion: torch.nn.Module | None
+    needs_hidden_states: bool
+    do_sample: bool
+    reads: HostReads
+    compaction_hole_fraction: float
+
+
+def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], rows: list[int], width: int,
+           proposal: Proposal | None, source_states: torch.Tensor | None):
+    """Brings `rows` (original row indices, prompts of at most `width` tokens) into the running batch: finished rows
+    leave first; the new rows' prefill runs on caches of their own, which commit their first tokens and propose as
+    the running rows' proposal was made (drafted, not, or skipped before a plain step; by the schedule's word at the
+    call's start); the proposers' deferred work runs, and the new rows' caches, batch state, proposal and source
+    states `[B, d]` join the running ones'. Returns the joined (proposal, source_states)."""
+    if batch.size:
+        proposal, source_states = _select_rows(batch, caches, loop.proposer, proposal, source_states,
+                                               batch.live_rows())
+    if batch.size:
+        loop.proposer.flush(batch)
+    new = batch.admission(torch.tensor(rows, device=batch.tokens.device), width)
+    cache = PreallocatedCache.like(loop.given_cache, len(caches[0].layers), width)
+    proposer = loop.proposer.fork(width)
+    position_ids = new.prompt_position_ids()
+    with loop.layers.speedups():
+        output = target_forward(loop.model, new.prompt_ids(), new.attention_mask, position_ids, cache,
+                                loop.needs_hidden_states, logits_to_keep=1)
+    new.commit_prompt()
+    first = select_tokens(loop.processor(new, output.logits[:, -1:])[:, 0], loop.do_sample)
+    new.finished = loop.commit(new, first[:, None], torch.ones_like(first))
+    source_index = torch.full_like(first, width - 1)
+    if not batch.size:
+        new_proposal = _propose(loop.scheduler, proposer, loop.layers, new, output, position_ids, source_index)
+    elif proposal is None:
+        new_proposal = proposer.skip(new, output.hidden_states, position_ids, source_index)
+    else:
+        new_proposal = proposer.propose(new, output.hidden_states, position_ids, source_index, proposal.drafted)
+    new_states = _source_states(output, source_index) if loop.companion is not None else None
+    if proposer is not loop.proposer:
+        proposer.flush(new)
+    for joined, part in zip(caches, _caches(cache, proposer), strict=True):
+        joined.append_rows(part)
+    if batch.size and proposal is not None:
+        proposal = proposal.join(new_proposal, batch.size, new.size, loop.proposer.num_draft_tokens)
+    elif not batch.size:
+        proposal = new_proposal
+    if new_states is not None:
+        source_states = new_states if source_states is None else torch.cat([source_states, new_states])
+    batch.join(new)
+    batch.refresh(loop.reads)
+    proposal, source_states = _retire_rows(batch, caches, loop.proposer, proposal, source_states)
+    _maybe_compact(batch, caches, loop.proposer, loop.compaction_hole_fraction, loop.proposer.num_draft_tokens + 1)
+    return proposal, source_states
+
+
 def _retire_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, proposal: Proposal | None,
                  source_states: torch.Tensor | None) -> tuple[Proposal | None, torch.Tensor | None]:
     """Drops finished rows from the batch, the caches and the proposer's deferred work once that brings the batch
@@ -73,6 +141,13 @@ def _retire_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, pr
     keep = batch.rows_to_keep()
     if keep is None:
         return proposal, source_states
+    return _select_rows(batch, caches, proposer, proposal, source_states, keep)
+
+
+def _select_rows(batch: RaggedBatch, caches: list[Cache], proposer: Proposer, proposal: Proposal | None,
+                 source_states: torch.Tensor | None, keep: torch.LongTensor):
+    """Keeps the active rows `keep` (`[B']`) in the batch, the caches, the proposer, the proposal and the source
+    states; returns the last two."""
     batch.select_rows(keep)
     proposer.select_rows(keep)
     for cache in caches:
@@ -137,15 +212,20 @@ def speculative_decode(
         raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
     modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
     layers = LoopLayers(model, modules, speculation.cpu_speedups)
+    slots = speculation.slots(input_ids.shape[0])
+    continuous = slots < input_ids.shape[0]  # transformers' loop would decode every row at once
+    if proposer.num_draft_tokens == 0 and continuous:
+        raise ValueError("max_batch_size needs num_draft_tokens >= 1 (transformers' own loop decodes every row at "
+                         "once); for continuous batching without speculation use `generate_batch` (transformers).")
     if proposer.num_draft_tokens == 0:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
     estimator = make_estimator(acceptance_table, companion, proposer.num_draft_tokens, input_ids.device) \
         if speculation.schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
-    profile = step_cost_profile(model, proposer, layers.cpu_speedups, input_ids.shape[0], speculation.step_costs)
+    profile = step_cost_profile(model, proposer, layers.cpu_speedups, slots, speculation.step_costs)
     scheduler = make_schedule(speculation, proposer.num_draft_tokens, profile, expected)
-    if not scheduler.speculation_pays(input_ids.shape[0]):
+    if not continuous and not scheduler.speculation_pays(slots):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, model_kwargs)
     with layers.installed():
@@ -154,7 +234,7 @@ def speculative_decode(
             speculation, scheduler, estimator, companion, layers, profile, model_kwargs,
         )
     if speculation.step_costs is None:
-        remember_costs(scheduler, model, proposer, layers.cpu_speedups, input_ids.shape[0])
+        remember_costs(scheduler, model, proposer, layers.cpu_speedups, slots)
     return output
 
 
@@ -189,39 +269,36 @@ def _decode(
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
     do_sample = bool(generation_config.do_sample)
     k = proposer.num_draft_tokens
-    needs_hidden_states = proposer.requires_hidden_states or companion is not None
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     capacity = cache_capacity(input_ids.shape[1], max_new_tokens, k)
-    cache = PreallocatedCache.like(given, model.config.get_text_config().num_hidden_layers, capacity)
-    batch = RaggedBatch.start(
-        input_ids, model_kwargs.get("attention_mask"), max_new_tokens + k + 1, pad_token_id(generation_config)
+    mask = model_kwargs.get("attention_mask")
+    admissions = Admissions(
+        [input_ids.shape[1]] * input_ids.shape[0] if mask is None else mask.sum(-1).tolist(),  # one host read
+        speculation.slots(input_ids.shape[0]),
     )
-    processor = RaggedLogitsProcessor(logits_processor)
-    commit = Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer)
+    cache = PreallocatedCache.like(given, model.config.get_text_config().num_hidden_layers, capacity)
+    batch = RaggedBatch.start(input_ids, mask, max_new_tokens + k + 1, pad_token_id(generation_config))
+    loop = _Loop(model, given, proposer, scheduler, RaggedLogitsProcessor(logits_processor),
+                 Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer), layers,
+                 companion, proposer.requires_hidden_states or companion is not None, do_sample, HostReads(),
+                 speculation.compaction_hole_fraction)
     stats = proposer.stats = SpecStats(num_draft_tokens=k)
     proposer.start(capacity)
     caches = _caches(cache, proposer)
     clock = StepClock(input_ids.device)
-    reads = HostReads()
+    processor, commit, reads, needs_hidden_states = loop.processor, loop.commit, loop.reads, loop.needs_hidden_states
     if speculative_streamer is not None:
         speculative_streamer.put(input_ids.cpu())
 
-    # Prefill: the prompt through the target; its last position gives the first token, the proposer the first drafts.
-    position_ids = batch.prompt_position_ids()
-    with layers.speedups():
-        output = target_forward(
-            model, input_ids, batch.attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=1
-        )
-    batch.commit_prompt()
-    first = select_tokens(processor(batch, output.logits[:, -1:])[:, 0], do_sample)
-    batch.finished = commit(batch, first[:, None], torch.ones_like(first))
-    source_index = torch.full_like(first, input_ids.shape[1] - 1)
-    proposal = _propose(scheduler, proposer, layers, batch, output, position_ids, source_index)
-    source_states = _source_states(output, source_index) if companion is not None else None
-    batch.refresh(reads)
-    proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
-
-    while batch.size > 0:
+    proposal = source_states = None
+    while True:
+        rows = admissions.due(batch.num_live)
+        while rows:  # the prefill of the rows admitted (all of them at the start, unless slots are fewer)
+            proposal, source_states = _admit(loop, batch, caches, rows, admissions.width(rows), proposal,
+                                             source_states)
+            rows = [] if batch.size else admissions.due(0)  # every row admitted finished at its first token
+        if batch.size == 0:
+            break
         _observe(clock, scheduler, stats, profile)
         proposed = proposal is not None  # False: a plain step by the schedule's word (nothing proposed)
         stats.drafting_steps += proposed and proposal.drafted
@@ -271,6 +348,7 @@ def _decode(
     _observe(clock, scheduler, stats, profile)
     stats.handoffs = scheduler.handoff.handoffs if isinstance(scheduler, GoodputSchedule) else 0
     stats.host_reads = reads.count
+    stats.new_tokens = batch.num_generated.tolist()
     stats.finish()
     if speculative_streamer is not None:
         speculative_streamer.end()

@@ -50,6 +50,8 @@ class SpeculationConfig:
         cost_feedback: the goodput scheduler learns step costs from the call's steps and hands a losing call over
             to plain steps (`feedback.py`).
         kernel_backend: verification's kernels, one of `KERNEL_BACKENDS` (None: `HF_SPECFORMER_KERNELS`).
+        max_batch_size: the most rows decoded at once (None: all of the call's); the others wait and join as
+            running rows finish (continuous batching, `admission.py`).
     """
 
     num_draft_tokens: int | None = None
@@ -62,6 +64,7 @@ class SpeculationConfig:
     packed_verification: bool = True
     cost_feedback: bool = True
     kernel_backend: str | None = None
+    max_batch_size: int | None = None
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "lookup_ngram_size"):
@@ -83,6 +86,14 @@ class SpeculationConfig:
             raise ValueError("confidence_threshold applies to schedule='fixed'; the goodput scheduler sets its own.")
         if self.kernel_backend not in (None, *KERNEL_BACKENDS):
             raise ValueError(f"kernel_backend={self.kernel_backend!r} must be one of {KERNEL_BACKENDS}.")
+        if self.max_batch_size is not None and (
+            isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1
+        ):
+            raise ValueError(f"max_batch_size={self.max_batch_size!r} must be a positive int (None: every row at once).")
+
+    def slots(self, num_rows: int) -> int:
+        """Rows decoded at once in a call of `num_rows` rows."""
+        return num_rows if self.max_batch_size is None else min(num_rows, self.max_batch_size)
 
     @classmethod
     def from_arguments(

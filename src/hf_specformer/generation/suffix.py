@@ -26,6 +26,8 @@ Bundled into `custom_generate/`: torch only.
 
 from __future__ import annotations
 
+import copy
+
 from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -243,6 +245,11 @@ class SuffixProposer(Proposer):
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.proposer.select_rows(keep)
+
+    def fork(self, capacity: int) -> "SuffixProposer":
+        forked = copy.copy(self)  # the index as sorted for this call, if it is
+        forked.proposer = self.proposer.fork(capacity)
+        return forked
 
     def flush(self, batch: RaggedBatch) -> None:
         self.proposer.flush(batch)

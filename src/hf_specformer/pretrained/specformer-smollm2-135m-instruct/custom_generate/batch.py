@@ -11,6 +11,9 @@ the per-row count of valid entries (`lengths`), never from the cache column. Exa
 The holes cost attention over a few extra keys; `compact` squeezes them out when they dominate the cache.
 Rows that finish are marked `finished` and dropped from the batch (`select_rows`) once that takes the batch down to
 a smaller `padded_batch_size`; until then they stay as padding that commits nothing (as plain `generate` keeps them).
+Rows join through `admission` (a batch of the new rows alone, for their prefill) and `join`: every row at the start,
+and, when a call decodes fewer rows at once than it holds (continuous batching, `admission.py`), waiting rows as
+running ones finish.
 
 Token layout: `tokens[b]` = left-padded prompt (width `prompt_width`) followed by the row's generated tokens
 (`num_generated[b]` of them), then scratch space where tentative drafts are written so logits processors can read
@@ -53,6 +56,7 @@ class RaggedBatch:
         num_live, max_length: rows not finished and the largest of `lengths`, as of the last `refresh` (host ints;
             `max_length` is an upper bound once rows are dropped).
         max_prefix: an upper bound of the longest committed prefix, kept on the host without reading the device.
+        prompt_attention_mask: `[B0, P]` the prompts' attention mask (1 on real tokens), for `admission`.
     """
 
     tokens: torch.LongTensor
@@ -66,30 +70,62 @@ class RaggedBatch:
     num_live: int = 0
     max_length: int = 0
     max_prefix: int = 0
+    prompt_attention_mask: torch.LongTensor | None = None
 
     @classmethod
     def start(
         cls, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, capacity: int, pad_token_id: int
     ) -> "RaggedBatch":
-        """input_ids `[B, P]` (left padded), attention_mask `[B, P]` or None (no padding); capacity = new tokens the
-        buffer must hold beyond the prompt (max_new_tokens + drafts of one step)."""
+        """A batch with no active rows yet (`admission` and `join` bring them in). input_ids `[B0, P]` (left
+        padded), attention_mask `[B0, P]` or None (no padding); capacity = new tokens the buffer must hold beyond
+        the prompt (max_new_tokens + drafts of one step)."""
         batch, width = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         tokens = torch.full((batch, width + capacity), pad_token_id, dtype=torch.long, device=input_ids.device)
         tokens[:, :width] = input_ids
+        empty = torch.zeros(0, dtype=torch.long, device=input_ids.device)
         return cls(
             tokens=tokens,
             prompt_width=width,
             num_generated=torch.zeros(batch, dtype=torch.long, device=input_ids.device),
-            row_ids=torch.arange(batch, device=input_ids.device),
-            attention_mask=attention_mask.long(),
-            lengths=torch.zeros(batch, dtype=torch.long, device=input_ids.device),
+            row_ids=empty,
+            attention_mask=torch.zeros(0, 0, dtype=torch.long, device=input_ids.device),
+            lengths=empty,
             pad_token_id=pad_token_id,
-            finished=torch.zeros(batch, dtype=torch.bool, device=input_ids.device),
-            num_live=batch,
-            max_prefix=width,
+            finished=empty.bool(),
+            prompt_attention_mask=attention_mask.long(),
         )
+
+    def admission(self, rows: torch.LongTensor, width: int) -> "RaggedBatch":
+        """A batch of the rows `rows` (`[n]`, original row indices) alone, for their prefill: it shares `tokens`
+        and `num_generated` with this one, and its attention mask is their prompt mask's last `width` columns (the
+        columns before hold padding in every one of these rows). `join` adds it to this batch afterwards."""
+        attention_mask = self.prompt_attention_mask[rows, self.prompt_width - width:]
+        zeros = torch.zeros(rows.numel(), dtype=torch.long, device=rows.device)
+        return RaggedBatch(self.tokens, self.prompt_width, self.num_generated, rows, attention_mask, zeros,
+                           self.pad_token_id, zeros.bool(), num_live=rows.numel(), max_prefix=self.prompt_width,
+                           prompt_attention_mask=self.prompt_attention_mask)
+
+    def prompt_ids(self) -> torch.LongTensor:
+        """`[B, w]` the active rows' prompts in the last w = `attention_mask.shape[1]` prompt columns (a batch
+        from `admission`, before its prefill)."""
+        width = self.attention_mask.shape[1]
+        return self.tokens[self.row_ids, self.prompt_width - width: self.prompt_width]
+
+    def join(self, other: "RaggedBatch") -> None:
+        """Appends the rows of `other` (an `admission` batch after its prefill) to the active rows. Cache columns
+        are matched by position, the shorter mask padded with hidden columns on the right (the caches are joined
+        the same way: `PreallocatedCache.append_rows`)."""
+        width = max(self.attention_mask.shape[1], other.attention_mask.shape[1])
+        self.attention_mask = torch.cat([torch.nn.functional.pad(mask, (0, width - mask.shape[1]))
+                                         for mask in (self.attention_mask, other.attention_mask)])
+        self.row_ids = torch.cat([self.row_ids, other.row_ids])
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.finished = torch.cat([self.finished, other.finished])
+        self.num_live += other.num_live
+        self.max_length = max(self.max_length, other.attention_mask.shape[1])
+        self.max_prefix = max(self.max_prefix, other.max_prefix)
 
     @property
     def size(self) -> int:
@@ -166,6 +202,10 @@ class RaggedBatch:
         padding_rank = self.finished.long().cumsum(0)  # 1.. over finished rows
         kept = ~self.finished | (padding_rank <= size - num_live)  # exactly `size` rows: no host read to find them
         return kept.long().argsort(descending=True, stable=True)[:size]  # stable: in row order
+
+    def live_rows(self) -> torch.LongTensor:
+        """`[num_live]` the unfinished rows, in order (`num_live` as of the last `refresh`, exact right after it)."""
+        return (~self.finished).long().argsort(descending=True, stable=True)[: self.num_live]
 
     def removable_fraction(self) -> float:
         """Share of cache columns that compaction would remove: those beyond the longest active row's valid entries.

@@ -39,6 +39,10 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         continuation drafts, with its frequency as confidence; prompt lookup's drafts go first. A `SuffixIndex`
         also receives the call's rows (prompts and outputs) at the end, for later calls; True: a fresh one for
         this call only. Default None: off.
+    max_batch_size: the most rows decoded at once (default None: every row). The other rows wait and join the
+        running batch as rows finish, each with a prefill of its own (continuous batching, `admission.py`), so a
+        call over many prompts keeps its slots busy and its caches at `max_batch_size` rows. Outputs are those of
+        the whole batch, as `generate` returns them.
 transformers' names are accepted too, as arguments or in a `GenerationConfig`: `num_assistant_tokens` (k),
 `assistant_confidence_threshold`, `max_matching_ngram_size` (lookup n-gram), `prompt_lookup_num_tokens` (lookup
 on, k; 0: off) and `num_assistant_tokens_schedule` ("constant": fixed, "heuristic": goodput).
@@ -203,6 +207,7 @@ def generate(
     cost_feedback: bool = True,
     kernel_backend: str | None = None,
     suffix_index: SuffixIndex | bool | None = None,
+    max_batch_size: int | None = None,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -214,6 +219,7 @@ def generate(
         config, num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule,
         compaction_hole_fraction=compaction_hole_fraction, step_costs=step_costs, cpu_speedups=cpu_speedups,
         packed_verification=packed_verification, cost_feedback=cost_feedback, kernel_backend=kernel_backend,
+        max_batch_size=max_batch_size,
     )
     generation_config = _without(generation_config, kwargs, TRANSFORMERS_NAMES)
     input_ids = inputs if inputs is not None else unused.get("input_ids")

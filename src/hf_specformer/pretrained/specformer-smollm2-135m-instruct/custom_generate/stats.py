@@ -39,6 +39,7 @@ class SpecStats:
             one), so that a gap between the loop and the profile stays visible.
         handoffs: times the goodput scheduler's guard handed the call over to plain steps (`feedback.py`).
         host_reads: device-to-host reads the loop made (`host.py`: at most two per step).
+        new_tokens: per original row, the tokens it generated (empty when the call ran plain decoding).
     """
 
     num_draft_tokens: int
@@ -57,6 +58,7 @@ class SpecStats:
     predicted_seconds_by_width: list[float] = field(default_factory=list)
     handoffs: int = 0
     host_reads: int = 0
+    new_tokens: list[int] = field(default_factory=list)
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
     _totals: torch.Tensor | None = None  # on the device: drafted, accepted, predicted, looked up, accepted_at,

@@ -138,10 +138,11 @@ def check_logits_processors(logits_processor) -> None:
 
 
 def max_new_tokens(config: GenerationConfig, prompt_width: int) -> int:
-    """New tokens the call may generate (`max_new_tokens`, else `max_length` minus the prompt)."""
+    """New tokens the call may generate (`max_new_tokens`, else `max_length` minus the prompt, else transformers'
+    default of 20 new tokens)."""
     if config.max_new_tokens is not None:
         return config.max_new_tokens
-    return config.max_length - prompt_width
+    return 20 if config.max_length is None else config.max_length - prompt_width
 
 
 def check_cache_layers(model, prompt_width: int, new_tokens: int, num_draft_tokens: int) -> None:

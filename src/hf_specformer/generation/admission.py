@@ -1,0 +1,48 @@
+"""Continuous batching: which waiting rows join the running batch, and when.
+
+A call may hold more rows than it decodes at once (`SpeculationConfig.max_batch_size`, the slots). The engine
+starts with the first rows that fit and admits waiting rows as running rows finish (`engine._admit`: their prefill as
+a forward of their own, whose caches then join the batch's), so no slot idles while rows wait; plain `generate`
+keeps every row of a static batch until its slowest finishes.
+
+When: once at least `min_free` slots are free, an eighth of the slots by default. An admission costs a prefill forward
+of its rows (which they need anyway) plus a fixed part: one more forward call, the proposer's deferred work run early,
+and the joined caches' copy of the new rows. Admitting as each row finishes would pay that fixed part per row; waiting
+for a quarter of the slots would leave an eighth idle on average. Rows are admitted in the order given (the batch
+job sorts its prompts by length, so rows admitted together have prompts of similar widths).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+ADMISSION_SHARE = 8
+"""Rows are admitted once 1 / ADMISSION_SHARE of the slots (at least one) are free."""
+
+
+class Admissions:
+    """The rows waiting for a slot, in order.
+
+    Args:
+        prompt_lengths: real (unpadded) prompt tokens of every row of the call, on the host.
+        slots: the most rows decoded at once.
+    """
+
+    def __init__(self, prompt_lengths: list[int], slots: int):
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be at least 1.")
+        self.prompt_lengths = prompt_lengths
+        self.slots = slots
+        self.min_free = max(1, slots // ADMISSION_SHARE)
+        self.waiting = deque(range(len(prompt_lengths)))
+
+    def due(self, num_live: int) -> list[int]:
+        """The rows to admit now, given `num_live` rows still generating (none: an empty list)."""
+        free = self.slots - num_live
+        if not self.waiting or free < min(self.min_free, len(self.waiting)) and num_live:
+            return []
+        return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+
+    def width(self, rows: list[int]) -> int:
+        """Prompt columns the prefill of `rows` needs: their longest prompt (at least 1)."""
+        return max(1, max(self.prompt_lengths[row] for row in rows))

@@ -1,0 +1,124 @@
+"""Continuous batching: rows admitted into the running batch as others finish give `generate`'s output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from helpers import PAD, assert_same_as_generate, make_batch
+
+from hf_specformer import generate, generate_batch
+from hf_specformer.generation.admission import Admissions
+from hf_specformer.generation.caching import PreallocatedCache
+
+
+def test_admissions_wait_for_an_eighth_of_the_slots_then_fill_every_free_one():
+    admissions = Admissions([3, 5, 2, 7] * 5, slots=16)  # 20 rows, 16 slots: at least 2 free to admit
+    assert admissions.due(0) == list(range(16))
+    assert admissions.due(15) == []
+    assert admissions.due(14) == [16, 17]
+    assert admissions.width([16, 17]) == 5 and admissions.width([18]) == 2
+    assert admissions.due(13) == [18, 19]  # fewer waiting than free slots
+    assert admissions.due(0) == []
+    small = Admissions([4, 4, 4], slots=2)
+    assert small.due(0) == [0, 1] and small.due(1) == [2]
+
+
+def test_rows_appended_to_a_cache_keep_their_columns_and_pad_with_zeros():
+    """A cache of 3 rows (its buffers' rows) keeps 2 of 5 columns, then + [1 row, 3 columns] -> 3 rows of 5, the
+    new row's last 2 zero; keeps 2 again, then + [1 row, 7 columns] -> 3 rows of 7, the older rows' last 2 zero."""
+    cache, part, longer = (PreallocatedCache(num_layers=1, capacity=8) for _ in range(3))
+    start = torch.randn(3, 1, 5, 4)
+    cache.update(start, start, 0)
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    first = torch.randn(1, 1, 3, 4)
+    part.update(first, first, 0)
+    cache.append_rows(part)
+    keys = cache.layers[0].keys
+    assert keys.shape == (3, 1, 5, 4) and torch.equal(keys[:2], start[[0, 2]])
+    assert torch.equal(keys[2, :, :3], first[0]) and not keys[2, :, 3:].any()
+    second = torch.randn(1, 1, 7, 4)
+    longer.update(second, second, 0)
+    with pytest.raises(RuntimeError, match="rows"):  # the buffers hold as many rows as the first forward had
+        cache.append_rows(longer)
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    cache.append_rows(longer)
+    keys = cache.layers[0].keys
+    assert keys.shape == (3, 1, 7, 4) and torch.equal(keys[2], second[0]) and not keys[:2, :, 5:].any()
+    assert torch.equal(keys[0, :, :5], start[0]) and torch.equal(keys[1, :, :3], first[0])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("max_batch_size", [1, 3, 5])
+@pytest.mark.parametrize("schedule", ["goodput", "fixed"])
+def test_rows_admitted_mid_call_give_the_output_of_generate(kind, max_batch_size, schedule):
+    """9 ragged prompts through 1, 3 or 5 slots (rows join as others finish: at EOS, at different steps, or at
+    max_new_tokens), with the drafter and prompt lookup, caches compacted whenever holes appear: every row equals
+    plain `generate` of the whole batch, and no step held more rows than the slots."""
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(9, seed=31)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    stats = assert_same_as_generate(
+        target, drafter, input_ids, mask, schedule=schedule, max_new_tokens=24, pad_token_id=PAD,
+        eos_token_id=int(reference[2, input_ids.shape[1] + 6]), compaction_hole_fraction=0.0,
+        max_batch_size=max_batch_size,
+    ).speculation_stats
+    assert stats.row_steps <= max_batch_size * stats.steps, (stats.row_steps, stats.steps)
+    assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_admissions_keep_processors_stop_strings_and_suffix_drafts_lossless(kind):
+    """Prefix-reading processors (repetition penalty, min_new_tokens) and suffix drafts across rows admitted at
+    different times: still `generate`'s output."""
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(7, seed=5)
+    assert_same_as_generate(
+        target, drafter, input_ids, mask, max_new_tokens=20, pad_token_id=PAD, repetition_penalty=1.3,
+        min_new_tokens=6, suffix_index=True, max_batch_size=2,
+    )
+
+
+def test_max_batch_size_must_be_a_positive_int_and_needs_drafts():
+    target = make_target()
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(3, seed=1)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="max_batch_size"):
+            generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_batch_size=bad)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, num_draft_tokens=0,
+                 max_batch_size=2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_generate_batch_returns_each_requests_own_greedy_answer_and_why_it_ended(kind):
+    """7 requests of different lengths through 3 slots: each request's tokens equal plain `generate` of its prompt
+    alone (cut after its EOS), with finish reason "eos" where it ended on one and "length" at max_new_tokens."""
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 90, (length,), generator=generator).tolist() for length in (3, 9, 5, 12, 4, 7, 6)]
+    alone = [target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, pad_token_id=PAD)[0,
+                                                                                                        len(prompt):]
+             for prompt in prompts]
+    eos = int(alone[1][5])
+    outputs = generate_batch(target, prompts, assistant_model=drafter, max_batch_size=3, max_new_tokens=16,
+                             eos_token_id=eos, pad_token_id=PAD, do_sample=False)
+    reasons = []
+    for prompt, output, reference in zip(prompts, outputs, alone):
+        ends = (reference == eos).nonzero().flatten().tolist()
+        expected = reference[: ends[0] + 1] if ends else reference
+        assert output.prompt_ids == prompt and output.generated_tokens == expected.tolist()
+        assert output.finish_reason == ("eos" if ends else "length") and output.tokens_per_step >= 1.0
+        reasons.append(output.finish_reason)
+    assert "eos" in reasons and "length" in reasons
+
+
+def test_generate_batch_rejects_empty_requests():
+    target = make_target()
+    for bad in ([], [[3, 4], []], [torch.tensor([3, 4])]):
+        with pytest.raises(ValueError, match="token-id lists"):
+            generate_batch(target, bad, assistant_model=make_drafter(target))
