@@ -26,14 +26,14 @@ from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompt
 from hf_specformer.targets import load_target, load_tokenizer
 
 
-def static(target, prompts: list[list[int]], batch_size: int, pad: int, eos: set[int], **speculative) -> list:
-    """Answers of static batches of `batch_size` prompts (speculative when `speculative` holds an assistant)."""
+def static(target, prompts: list[list[int]], batch_size: int, pad: int, eos: set[int], drafter=None,
+           **generate_kwargs) -> list:
+    """Answers of static batches of `batch_size` prompts (speculative with a drafter, plain `generate` without)."""
     answers = []
     for start in range(0, len(prompts), batch_size):
         input_ids, mask = left_pad(prompts[start: start + batch_size], pad)
-        run = generate if speculative else target.generate
-        model_args = (target,) if speculative else ()
-        output = run(*model_args, input_ids=input_ids, attention_mask=mask, **speculative)
+        inputs = dict(input_ids=input_ids, attention_mask=mask, **generate_kwargs)
+        output = target.generate(**inputs) if drafter is None else generate(target, assistant_model=drafter, **inputs)
         answers += [cut_after_eos(row, eos) for row in output[:, input_ids.shape[1]:].tolist()]
     return answers
 
@@ -56,8 +56,7 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         modes = {
             "static plain": lambda: static(target, prompts, batch_size, pad, eos, **common),
-            "static speculative": lambda: static(target, prompts, batch_size, pad, eos, assistant_model=drafter,
-                                                 **common),
+            "static speculative": lambda: static(target, prompts, batch_size, pad, eos, drafter, **common),
             "continuous speculative": lambda: [
                 cut_after_eos(output.generated_tokens, eos)
                 for output in generate_batch(target, prompts, assistant_model=drafter, max_batch_size=batch_size,

@@ -5,21 +5,26 @@
 
 Prompts come from any `datasets` source (`--prompts` repeated: local .jsonl/.json/.parquet files or Hub dataset
 names; the prompt column is detected). Each prompt is wrapped in the target's chat template (`--no-chat-template`
-for raw text) and answered by `hf_specformer.generate` with a drafter (plus prompt lookup, the goodput scheduler and,
-with `--suffix-index-tokens`, suffix drafts from everything the process answered before), or by plain `generate`
-with `--plain`; greedy by default, `--do-sample` for sampling. Speculation is
-lossless, so the answers are the target's own (greedy: token for token, up to low-precision ties; sampling: the
-same distribution).
+for raw text) and answered with a drafter (plus prompt lookup, the goodput scheduler and, with
+`--suffix-index-tokens`, suffix drafts from everything the process answered before), or by plain `generate` with
+`--plain`; greedy by default, `--do-sample` for sampling. Speculation is lossless, so the answers are the target's
+own (greedy: token for token, up to low-precision ties; sampling: the same distribution).
 
-Nothing is lost on interruption: every finished batch is appended to `<output>/progress/records*.jsonl` (see
-`records.py`) and a restart skips what is done. Under `accelerate launch` process r of n answers every n-th
+Speculative jobs run on continuous batching (`hf_specformer.generate_batch`): `--batch-size` rows decode at once and
+a waiting prompt takes the slot of each row that finishes, so no slot idles until a window of prompts runs out;
+`--static` runs batches of `--batch-size` prompts instead (`hf_specformer.generate`), each lasting as long as its
+slowest row, as `--plain` does.
+
+Nothing is lost on interruption: every answer is appended to `<output>/progress/records*.jsonl` (see `records.py`)
+as soon as it is finished (with static batches, as its batch is) and a restart skips what is done. Under `accelerate launch` process r of n answers every n-th
 remaining prompt, on its own device, into its own records file. When every prompt is answered the main process
 writes `<output>/dataset` (a `datasets` folder: `id`, `prompt`, `input_ids` = prompt + answer ids,
 `prompt_length`, `response`) and `<output>/generations.jsonl` (`id`, `prompt`, `response`), ordered by id.
 
-Choices: batches are sorted by length within windows (`batching.py`); prompts longer than `max_prompt_tokens` are
-skipped and counted; a sampled batch is seeded from (seed, its first prompt's id), so an uninterrupted run repeats
-exactly, and a resumed one draws fresh samples for the prompts left (from the same distribution).
+Choices: prompts are sorted by length within windows (`batching.py`; a continuous call takes a whole window);
+prompts longer than `max_prompt_tokens` are skipped and counted; a sampled batch or window is seeded from (seed, its
+first prompt's id), so an uninterrupted run repeats exactly, and a resumed one draws fresh samples for the prompts
+left (from the same distribution).
 """
 
 from __future__ import annotations
@@ -29,8 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import time
-from dataclasses import asdict, dataclass
 
 import torch
 from accelerate import PartialState
@@ -39,15 +42,9 @@ from datasets import Dataset, Features, List, Value
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .batching import (
-    batch_seed,
-    cut_after_eos,
-    eos_token_ids,
-    left_pad,
-    plan_batches,
-    prompt_ids,
-)
-from .generation import SuffixIndex, generate
+from .answering import GenerationSettings, Throughput, answer_batch, answer_continuously
+from .batching import plan_batches, plan_windows, prompt_ids
+from .generation import SuffixIndex
 from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .records import (
     DATASET_DIR,
@@ -77,47 +74,6 @@ FEATURES = Features(
 )
 
 
-@dataclass
-class GenerationSettings:
-    """What is generated for each prompt. All of it but the batch size and the prompt limit must match when a run is
-    resumed.
-
-    Attributes:
-        max_new_tokens: answer length cap.
-        max_prompt_tokens: prompts longer than this (in tokens, template included) are skipped.
-        batch_size: prompts per `generate` call (per process).
-        do_sample, temperature, top_p: sampling (greedy when `do_sample` is False).
-        seed: seed of the sampled batches.
-        chat_template: wrap each prompt as a user message in the tokenizer's chat template.
-    """
-
-    max_new_tokens: int = 256
-    max_prompt_tokens: int = 512
-    batch_size: int = 16
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    chat_template: bool = True
-
-    def __post_init__(self):
-        if min(self.max_new_tokens, self.max_prompt_tokens, self.batch_size) < 1:
-            raise ValueError("max_new_tokens, max_prompt_tokens and batch_size must be at least 1.")
-        if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
-            raise ValueError(f"Sampling needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, "
-                             f"{self.top_p}.")
-
-    def generate_kwargs(self) -> dict:
-        """The sampling arguments of `generate` (none for greedy decoding)."""
-        if not self.do_sample:
-            return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-
-    def meta(self) -> dict:
-        """The settings a resumed run must share (the batch size and the prompt limit may change)."""
-        return {name: value for name, value in asdict(self).items() if name not in ("batch_size", "max_prompt_tokens")}
-
-
 def run_meta(target: PreTrainedModel, prompts: list[str], settings: GenerationSettings) -> dict:
     """What a resumed run must share with the one that wrote the progress: target, prompts and settings."""
     return {
@@ -133,70 +89,6 @@ def process_state() -> PartialState:
     `PartialState`'s cpu flag, without which each would think it is alone: set where there is no GPU, or where
     ACCELERATE_USE_CPU asks for it."""
     return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
-
-
-@dataclass
-class Throughput:
-    """Running totals of one process: answer tokens, seconds, and (speculative) rows' steps and accepted drafts."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    row_steps: int = 0
-    accepted: int = 0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def kappa(self) -> float | None:
-        """Committed tokens per row per target forward (1.0: plain decoding); None without speculation."""
-        return (self.row_steps + self.accepted) / self.row_steps if self.row_steps else None
-
-    def postfix(self) -> dict:
-        kappa = {} if self.kappa is None else {"kappa": f"{self.kappa:.2f}"}
-        return {"tok_s": f"{self.tokens_per_second:.1f}", **kappa}
-
-    def save(self, path: str, **extra) -> None:
-        """Writes the totals, tokens/s and kappa (and `extra`) as JSON."""
-        with open(path, "w") as file:
-            json.dump({**asdict(self), "tokens_per_second": self.tokens_per_second, "kappa": self.kappa, **extra},
-                      file, indent=2)
-
-
-@torch.inference_mode()
-def answer_batch(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: list[tuple[int, list[int]]],
-    settings: GenerationSettings,
-    speculation: dict | None,
-    throughput: Throughput,
-) -> list[tuple[int, list[int], list[int]]]:
-    """The target's answers to a batch of `(id, prompt ids)`, as `(id, prompt ids, answer ids)` cut after EOS.
-
-    `speculation` holds the speculative arguments of `hf_specformer.generate` (`assistant_model`, ...); None runs
-    plain `generate`. Adds the batch's tokens, time and acceptance to `throughput`.
-    """
-    input_ids, attention_mask = left_pad([ids for _, ids in batch], tokenizer.pad_token_id)
-    kwargs = dict(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
-                  max_new_tokens=settings.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  **settings.generate_kwargs())
-    if settings.do_sample:
-        torch.manual_seed(batch_seed(settings.seed, batch[0][0]))
-    start = time.perf_counter()
-    if speculation is None:
-        sequences = target.generate(**kwargs)
-    else:
-        output = generate(target, **kwargs, **speculation, return_dict_in_generate=True)
-        sequences, stats = output.sequences, output.speculation_stats
-        throughput.row_steps += stats.row_steps
-        throughput.accepted += stats.accepted
-    eos_ids = eos_token_ids(target, tokenizer)
-    answers = [cut_after_eos(answer, eos_ids) for answer in sequences[:, input_ids.shape[1] :].tolist()]
-    throughput.seconds += time.perf_counter() - start
-    throughput.tokens += sum(map(len, answers))
-    return [(index, ids, answer) for (index, ids), answer in zip(batch, answers)]
 
 
 def make_record(
@@ -276,19 +168,26 @@ def generate_dataset(
     label = description if state.num_processes == 1 else f"{description} [{state.process_index}]"
     bar = tqdm(total=len(mine), unit="prompt", desc=label, disable=not progress,
                position=state.local_process_index)
-    for batch in plan_batches(mine, settings.batch_size):
-        answers = answer_batch(target, tokenizer, batch, settings, speculation, throughput)
+
+    def save(answers: list[tuple[int, list[int], list[int]]]) -> None:
         append_records(records_path, [make_record(index, prompts[index], ids, answer, tokenizer)
                                       for index, ids, answer in answers])
-        bar.update(len(batch))
         bar.set_postfix(throughput.postfix(), refresh=False)
+        bar.update(len(answers))
+
+    continuous = speculation is not None and settings.continuous
+    for batch in plan_windows(mine, settings.batch_size) if continuous else plan_batches(mine, settings.batch_size):
+        if continuous:
+            answer_continuously(target, tokenizer, batch, settings, speculation, throughput, save)
+        else:
+            save(answer_batch(target, tokenizer, batch, settings, speculation, throughput))
     bar.close()
     if mine:
         logger.info("process %d: %d answer tokens in %.1f s (%.1f tokens/s)%s", state.process_index,
                     throughput.tokens, throughput.seconds, throughput.tokens_per_second,
                     "" if throughput.kappa is None else f", kappa {throughput.kappa:.2f}")
         throughput.save(os.path.join(progress_dir, THROUGHPUT_FILE.format(state.process_index)),
-                        num_prompts=len(mine), batch_size=settings.batch_size)
+                        num_prompts=len(mine), batch_size=settings.batch_size, continuous=continuous)
     state.wait_for_everyone()
     if not state.is_main_process:
         return None
@@ -314,7 +213,7 @@ def add_length_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=512,
                         help="skip longer prompts (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16,
-                        help="prompts per generate call and process (default: %(default)s)")
+                        help="rows decoded at once per process (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     speculation = parser.add_argument_group("speculation")
-    speculation.add_argument("--plain", action="store_true", help="plain generate, no speculation")
+    speculation.add_argument("--plain", action="store_true", help="plain generate, no speculation (static batches)")
+    speculation.add_argument("--static", action="store_true",
+                             help="static batches of --batch-size prompts instead of continuous batching")
     speculation.add_argument("--drafter", default=None,
                              help="SpecFormer drafter folder (default: the shipped one, for the default target)")
     speculation.add_argument("--companion", default=None, help="Speculative Verification companion folder")
@@ -374,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
         do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        chat_template=args.chat_template,
+        chat_template=args.chat_template, continuous=not args.static,
     )
     prompts = load_prompts(args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit,
                            shuffle_seed=args.seed if args.shuffle else None)

@@ -24,13 +24,18 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: b
     return tokenizer(prompt)["input_ids"]
 
 
-def plan_batches(todo: list[tuple[int, list[int]]], batch_size: int) -> Iterator[list[tuple[int, list[int]]]]:
-    """Batches of `(id, prompt ids)`, sorted by prompt length within windows of `SORT_WINDOW_BATCHES` batches."""
+def plan_windows(todo: list[tuple[int, list[int]]], batch_size: int) -> Iterator[list[tuple[int, list[int]]]]:
+    """Windows of `SORT_WINDOW_BATCHES` batches of `(id, prompt ids)`, each sorted by prompt length."""
     window = batch_size * SORT_WINDOW_BATCHES
     for start in range(0, len(todo), window):
-        chunk = sorted(todo[start : start + window], key=lambda item: len(item[1]))
-        for batch_start in range(0, len(chunk), batch_size):
-            yield chunk[batch_start : batch_start + batch_size]
+        yield sorted(todo[start : start + window], key=lambda item: len(item[1]))
+
+
+def plan_batches(todo: list[tuple[int, list[int]]], batch_size: int) -> Iterator[list[tuple[int, list[int]]]]:
+    """Batches of `(id, prompt ids)`, sorted by prompt length within windows of `SORT_WINDOW_BATCHES` batches."""
+    for window in plan_windows(todo, batch_size):
+        for batch_start in range(0, len(window), batch_size):
+            yield window[batch_start : batch_start + batch_size]
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_drafter, make_target
-from helpers import PAD, assert_same_as_generate, make_batch
+from helpers import PAD, assert_same_as_generate, make_batch, started_batch
 
 from hf_specformer import generate, generate_batch
 from hf_specformer.generation.admission import Admissions
 from hf_specformer.generation.caching import PreallocatedCache
+from hf_specformer.generation.costs import StepCostModel
 
 
 def test_admissions_wait_for_an_eighth_of_the_slots_then_fill_every_free_one():
@@ -122,3 +123,95 @@ def test_generate_batch_rejects_empty_requests():
     for bad in ([], [[3, 4], []], [torch.tensor([3, 4])]):
         with pytest.raises(ValueError, match="token-id lists"):
             generate_batch(target, bad, assistant_model=make_drafter(target))
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+def test_each_row_is_reported_once_the_step_it_finishes(slots):
+    """`row_finished` gets every row once, with the tokens `generate` returns for it and the steps and accepted
+    drafts the call counted for it; reports come as rows finish (rows of one admission in order of their steps), not
+    in row order at the end."""
+    target = make_target()
+    input_ids, mask = make_batch(6, seed=5)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    eos = int(reference[0, input_ids.shape[1] + 3])  # row 0 ends early, others later or never
+    reports = []
+    output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                      schedule="fixed", max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD,
+                      max_batch_size=slots, return_dict_in_generate=True, row_finished=reports.append)
+    assert sorted(report.row for report in reports) == list(range(6))
+    generated = output.sequences[:, input_ids.shape[1]:]
+    for report in reports:
+        row = generated[report.row].tolist()
+        assert report.tokens == row[: len(report.tokens)] and all(t == PAD for t in row[len(report.tokens):])
+        assert report.tokens[-1] == eos or len(report.tokens) == 24
+        kappa = output.speculation_stats.tokens_per_row_step[report.row]
+        assert report.steps > 0 and (report.steps + report.accepted) / report.steps == pytest.approx(kappa)
+    if slots is None:  # one admission: finishing order is the order of steps taken
+        assert [report.steps for report in reports] == sorted(report.steps for report in reports)
+        assert [report.row for report in reports] != list(range(6))
+
+
+def test_rows_of_transformers_own_loop_are_reported_at_the_end():
+    """k = 0 runs transformers' loop: every row is reported after it, cut after its EOS."""
+    target = make_target()
+    input_ids, mask = make_batch(3, seed=2)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    eos = int(reference[1, input_ids.shape[1] + 2])
+    reports = []
+    output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                      num_draft_tokens=0, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD,
+                      row_finished=reports.append)
+    assert [report.row for report in reports] == [0, 1, 2]
+    for report, row in zip(reports, output[:, input_ids.shape[1]:].tolist()):
+        end = row.index(eos) + 1 if eos in row else 12
+        assert report.tokens == row[:end] and report.accepted == 0
+
+
+def test_generate_batch_hands_over_outputs_as_they_finish_and_an_interruption_keeps_them():
+    """`on_output` sees each request's final output; when it raises (a job killed mid-call), the call stops there
+    and what it was handed stays correct."""
+    target = make_target()
+    drafter = make_drafter(target)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 90, (length,), generator=generator).tolist() for length in (4, 8, 3, 6, 5, 9)]
+    kwargs = dict(assistant_model=drafter, max_batch_size=2, max_new_tokens=10, pad_token_id=PAD, do_sample=False)
+    outputs = generate_batch(target, prompts, **kwargs)
+    seen = {}
+
+    def stop_after_three(index, output):
+        seen[index] = output
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_batch(target, prompts, on_output=stop_after_three, progress_bar=False, **kwargs)
+    assert len(seen) == 3
+    for index, output in seen.items():  # the steps taken depend on the timings the scheduler learns from
+        assert (output.prompt_ids, output.generated_tokens, output.finish_reason) == \
+            (outputs[index].prompt_ids, outputs[index].generated_tokens, outputs[index].finish_reason)
+
+
+def test_rows_admitted_after_the_batch_emptied_start_from_fresh_columns():
+    """Every running row finishes on the same step while the drafter's work is deferred (plain steps: drafting never
+    pays at these costs), so the batch empties with the drafter's cache behind the target's; the rows admitted next
+    start from their own columns in every cache, and each answer is still `generate`'s."""
+    target = make_target()
+    generator = torch.Generator().manual_seed(6)
+    same, *others = [torch.randint(3, 90, (length,), generator=generator) for length in (7, 3, 9)]
+    prompts = [same, same, *others]  # the first two finish together; the next two, of other lengths, join together
+    input_ids = torch.stack([torch.cat([torch.full((9 - len(p),), PAD), p]) for p in prompts])
+    mask = (torch.arange(9)[None, :] >= torch.tensor([9 - len(p) for p in prompts])[:, None]).long()
+    costly_drafts = StepCostModel(batch_sizes=[1, 64], step_seconds=[[1.0] + [100.0] * 8, [64.0] + [6400.0] * 8],
+                                  draft_seconds=[100.0, 6400.0])
+    assert_same_as_generate(target, make_drafter(target), input_ids, mask, max_new_tokens=14, pad_token_id=PAD,
+                            max_batch_size=2, step_costs=costly_drafts, cost_feedback=False)
+
+
+def test_a_batch_left_without_rows_keeps_no_columns():
+    batch = started_batch(*make_batch(3, seed=1), capacity=8)
+    batch.select_rows(torch.tensor([], dtype=torch.long))
+    assert batch.size == 0 and batch.attention_mask.shape == (0, 0)
+    cache = PreallocatedCache(num_layers=1, capacity=8)
+    cache.update(torch.ones(3, 2, 5, 4), torch.ones(3, 2, 5, 4), 0)
+    cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+    assert cache.columns == 0

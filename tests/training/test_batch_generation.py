@@ -17,7 +17,7 @@ from conftest import CHAT_PROMPTS, make_drafter, tiny_chat_target
 from datasets import load_from_disk
 from training_helpers import free_port
 
-from hf_specformer import SuffixIndex
+from hf_specformer import SuffixIndex, answering, batch_generation
 from hf_specformer.batch_generation import (
     GENERATIONS_FILE,
     GenerationSettings,
@@ -135,3 +135,37 @@ def test_two_accelerate_processes_split_the_prompts_and_resume(tokenizer, tmp_pa
     assert sorted(json.loads(line)["id"] for line in (progress / "records.jsonl").read_text().splitlines()) == \
         list(range(len(CHAT_PROMPTS)))
     assert load_from_disk(str(tmp_path / "two" / "dataset")).to_list() == one.to_list()
+
+
+def test_a_continuous_job_writes_each_answer_as_it_finishes_and_resumes_after_a_kill(target, tokenizer, tmp_path,
+                                                                                     monkeypatch):
+    """One continuous call answers the whole window; killed after its third answer, those three are on disk, and
+    the resumed job asks only for the others. Answers equal those of static batches."""
+    speculation = {"assistant_model": make_drafter(target, draft_length=2), **SPECULATION}
+    static = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "static"),
+                              GenerationSettings(max_new_tokens=24, batch_size=2, continuous=False),
+                              speculation=speculation, progress=False)
+    settings = GenerationSettings(max_new_tokens=24, batch_size=2)
+    append = batch_generation.append_records
+    written = []
+
+    def append_then_kill(path, records):
+        append(path, records)
+        written.extend(records)
+        if len(written) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch_generation, "append_records", append_then_kill)
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "continuous"), settings,
+                         speculation=speculation, progress=False)
+    monkeypatch.setattr(batch_generation, "append_records", append)
+    asked = []
+    real_generate_batch = answering.generate_batch
+    monkeypatch.setattr(answering, "generate_batch",
+                        lambda model, inputs, **kwargs: asked.extend(inputs) or real_generate_batch(model, inputs,
+                                                                                                     **kwargs))
+    resumed = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "continuous"), settings,
+                               speculation=speculation, progress=False)
+    assert len(asked) == len(CHAT_PROMPTS) - 3
+    assert resumed["input_ids"] == static["input_ids"] and resumed["response"] == static["response"]

@@ -43,6 +43,8 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         running batch as rows finish, each with a prefill of its own (continuous batching, `admission.py`), so a
         call over many prompts keeps its slots busy and its caches at `max_batch_size` rows. Outputs are those of
         the whole batch, as `generate` returns them.
+    row_finished: called with a `FinishedRow` (row index, generated tokens, steps, accepted drafts) as each row
+        ends, so that a caller can use a row's answer before the call returns (`finishing.py`). Default None.
 transformers' names are accepted too, as arguments or in a `GenerationConfig`: `num_assistant_tokens` (k),
 `assistant_confidence_threshold`, `max_matching_ngram_size` (lookup n-gram), `prompt_lookup_num_tokens` (lookup
 on, k; 0: off) and `num_assistant_tokens_schedule` ("constant": fixed, "heuristic": goodput).
@@ -208,6 +210,7 @@ def generate(
     kernel_backend: str | None = None,
     suffix_index: SuffixIndex | bool | None = None,
     max_batch_size: int | None = None,
+    row_finished=None,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -248,6 +251,7 @@ def generate(
         speculation=speculation,
         companion=companion,
         acceptance_table=_acceptance_table(assistant_model, companion) if speculation.schedule == "goodput" else None,
+        row_finished=row_finished,
         **kwargs,
     )
     if suffix_index is not None:

@@ -186,9 +186,10 @@ class RaggedBatch:
         return values[2:]
 
     def select_rows(self, keep: torch.LongTensor) -> None:
-        """Keeps the active rows at positions `keep` (`[B']`, indices into the active rows)."""
+        """Keeps the active rows at positions `keep` (`[B']`, indices into the active rows); with none left, no cache
+        columns either (as the caches do: `PreallocatedLayer.batch_select_indices`)."""
         self.row_ids = self.row_ids[keep]
-        self.attention_mask = self.attention_mask[keep]
+        self.attention_mask = self.attention_mask[keep, : self.attention_mask.shape[1] if keep.numel() else 0]
         self.lengths = self.lengths[keep]
         self.finished = self.finished[keep]
 

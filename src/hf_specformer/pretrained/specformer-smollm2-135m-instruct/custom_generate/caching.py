@@ -78,7 +78,10 @@ class PreallocatedLayer(DynamicLayer):
             self._view(self.keys.shape[0])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keeps the active rows `indices` (`[B']`), moved to the front of the buffers."""
+        """Keeps the active rows `indices` (`[B']`), moved to the front of the buffers; with none left, no columns
+        either (rows that join later start from their own prefill's columns)."""
+        if not indices.numel():
+            self.length = 0
         if not self.is_initialized:
             return
         for buffer in (self.key_buffer, self.value_buffer):

@@ -290,30 +290,14 @@ def lookup_drafts(
     return tokens.gather(1, columns.clamp(0, width - 1)), found
 
 
-class PromptLookupProposer(Proposer):
-    """Another proposer's drafts, replaced by prompt lookup (`lookup_drafts`) wherever a match supplies them.
+class WrappingProposer(Proposer):
+    """A proposer on top of another, `proposer`, whose drafts it replaces where it finds its own. Everything but
+    `propose` is the wrapped proposer's: its state, caches, networks and costs (it sees every step); a fork forks
+    it. Subclasses implement `propose`."""
 
-    Looked-up drafts cost no forward, and text often repeats its prompt or itself (names, code, lists), where a
-    learned drafter's later slots rarely reach. Measured teacher-forced on SmolLM2's greedy MT-bench answers with
-    the shipped drafter (k = 4): kappa 1.47 alone, 1.77 with lookup for n = 4..2 (n = 6..3: 1.72; n = 3..1: 1.72).
-    Looked-up drafts are ids (`Proposal.ids`): their draft distribution is one-hot, so sampling stays lossless (a
-    draft is accepted with the target's probability of that token, and a rejection samples the target's
-    distribution without it), and a step with lookup drafts alone builds nothing over the vocabulary.
-    The wrapped proposer sees every step (SpecFormer's context cache must see every committed position).
-
-    Args:
-        proposer: the proposer whose drafts are used where lookup finds nothing.
-        max_ngram_size: the longest n-gram matched (down to 2).
-    """
-
-    def __init__(self, proposer: Proposer, max_ngram_size: int = 4):
+    def __init__(self, proposer: Proposer):
         super().__init__(proposer.num_draft_tokens)
-        if max_ngram_size < 2:
-            raise ValueError(
-                f"max_ngram_size={max_ngram_size} must be at least 2 (lookup_ngram_size=0 turns lookup off)."
-            )
         self.proposer = proposer
-        self.max_ngram_size = max_ngram_size
         self.requires_hidden_states = proposer.requires_hidden_states
 
     def start(self, capacity: int) -> None:
@@ -322,7 +306,7 @@ class PromptLookupProposer(Proposer):
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.proposer.select_rows(keep)
 
-    def fork(self, capacity: int) -> "PromptLookupProposer":
+    def fork(self, capacity: int) -> "WrappingProposer":
         forked = copy.copy(self)
         forked.proposer = self.proposer.fork(capacity)
         return forked
@@ -344,6 +328,31 @@ class PromptLookupProposer(Proposer):
 
     def skip(self, batch, hidden_states, position_ids, source_index) -> None:
         self.proposer.skip(batch, hidden_states, position_ids, source_index)
+
+
+class PromptLookupProposer(WrappingProposer):
+    """Another proposer's drafts, replaced by prompt lookup (`lookup_drafts`) wherever a match supplies them.
+
+    Looked-up drafts cost no forward, and text often repeats its prompt or itself (names, code, lists), where a
+    learned drafter's later slots rarely reach. Measured teacher-forced on SmolLM2's greedy MT-bench answers with
+    the shipped drafter (k = 4): kappa 1.47 alone, 1.77 with lookup for n = 4..2 (n = 6..3: 1.72; n = 3..1: 1.72).
+    Looked-up drafts are ids (`Proposal.ids`): their draft distribution is one-hot, so sampling stays lossless (a
+    draft is accepted with the target's probability of that token, and a rejection samples the target's
+    distribution without it), and a step with lookup drafts alone builds nothing over the vocabulary.
+    The wrapped proposer sees every step (SpecFormer's context cache must see every committed position).
+
+    Args:
+        proposer: the proposer whose drafts are used where lookup finds nothing.
+        max_ngram_size: the longest n-gram matched (down to 2).
+    """
+
+    def __init__(self, proposer: Proposer, max_ngram_size: int = 4):
+        super().__init__(proposer)
+        if max_ngram_size < 2:
+            raise ValueError(
+                f"max_ngram_size={max_ngram_size} must be at least 2 (lookup_ngram_size=0 turns lookup off)."
+            )
+        self.max_ngram_size = max_ngram_size
 
     def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
         """The wrapped proposer's proposal (its network drafts when `draft`) with lookup matches as fixed drafts in

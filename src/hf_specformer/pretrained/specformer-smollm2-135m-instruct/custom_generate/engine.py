@@ -20,6 +20,7 @@ inputs, the cache, logits processors and stopping criteria exactly as for plain 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from .caching import PreallocatedCache
 from .committing import Committer, pad_token_id
 from .drafting import Proposal, Proposer
 from .feedback import StepClock
+from .finishing import FinishedRow, FinishedRows
 from .forwards import LoopLayers, target_forward
 from .host import HostReads
 from .planning import draft_distributions, make_estimator, make_schedule, plan_step, select_tokens
@@ -84,6 +86,8 @@ class _Loop:
     do_sample: bool
     reads: HostReads
     compaction_hole_fraction: float
+    stats: SpecStats
+    finished_rows: FinishedRows
 
 
 def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], rows: list[int], width: int,
@@ -99,6 +103,7 @@ def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], row
     if batch.size:
         loop.proposer.flush(batch)
     new = batch.admission(torch.tensor(rows, device=batch.tokens.device), width)
+    loop.finished_rows.admit(new.size)
     cache = PreallocatedCache.like(loop.given_cache, len(caches[0].layers), width)
     proposer = loop.proposer.fork(width)
     position_ids = new.prompt_position_ids()
@@ -128,6 +133,7 @@ def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], row
         source_states = new_states if source_states is None else torch.cat([source_states, new_states])
     batch.join(new)
     batch.refresh(loop.reads)
+    loop.finished_rows.report(batch, loop.stats, loop.reads)
     proposal, source_states = _retire_rows(batch, caches, loop.proposer, proposal, source_states)
     _maybe_compact(batch, caches, loop.proposer, loop.compaction_hole_fraction, loop.proposer.num_draft_tokens + 1)
     return proposal, source_states
@@ -183,6 +189,7 @@ def speculative_decode(
     speculation: SpeculationConfig | None = None,
     companion=None,
     acceptance_table: dict | AcceptanceTable | None = None,
+    row_finished: Callable[[FinishedRow], None] | None = None,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -197,6 +204,8 @@ def speculative_decode(
         companion: a bound `CompanionForVerification` (or any module called as `companion(hidden_states=[B, d],
             input_ids=[B, k])` returning `.logits` `[B, k, V]`): the goodput scheduler's signal becomes SV's (S, A).
         acceptance_table: the estimator's calibrated table (`AcceptanceTable` or its dict); default uncalibrated.
+        row_finished: called with a `FinishedRow` (its index, tokens, steps, accepted drafts) as each row ends
+            (`finishing.py`; on transformers' own loop, for every row at the end).
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and the cache (a `DynamicCache`, as `cache`
             or, before transformers 5.24, `past_key_values`).
     Returns:
@@ -219,7 +228,7 @@ def speculative_decode(
                          "once); for continuous batching without speculation use `generate_batch` (transformers).")
     if proposer.num_draft_tokens == 0:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-                             speculative_streamer, model_kwargs)
+                             speculative_streamer, row_finished, model_kwargs)
     estimator = make_estimator(acceptance_table, companion, proposer.num_draft_tokens, input_ids.device) \
         if speculation.schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
@@ -227,11 +236,11 @@ def speculative_decode(
     scheduler = make_schedule(speculation, proposer.num_draft_tokens, profile, expected)
     if not continuous and not scheduler.speculation_pays(slots):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-                             speculative_streamer, model_kwargs)
+                             speculative_streamer, row_finished, model_kwargs)
     with layers.installed():
         output = _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-            speculation, scheduler, estimator, companion, layers, profile, model_kwargs,
+            speculation, scheduler, estimator, companion, layers, profile, row_finished, model_kwargs,
         )
     if speculation.step_costs is None:
         remember_costs(scheduler, model, proposer, layers.cpu_speedups, slots)
@@ -239,7 +248,8 @@ def speculative_decode(
 
 
 def _plain_decode(
-    model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer, model_kwargs
+    model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer, row_finished,
+    model_kwargs,
 ):
     """transformers' own decoding loop (`GenerationMixin._sample`), with no layer switched: what
     a call runs with k = 0, or when the goodput scheduler predicts that no width pays at its batch size."""
@@ -252,6 +262,8 @@ def _plain_decode(
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats.steps = stats.width_counts[0] = sequences.shape[1] - input_ids.shape[1]
     stats.row_steps = stats.steps * input_ids.shape[0]
+    FinishedRows(row_finished).report_padded(sequences[:, input_ids.shape[1]:], generation_config.eos_token_id,
+                                             pad_token_id(generation_config))
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences
@@ -259,7 +271,7 @@ def _plain_decode(
 
 def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-    speculation, scheduler, estimator, companion, layers, profile, model_kwargs,
+    speculation, scheduler, estimator, companion, layers, profile, row_finished, model_kwargs,
 ):
     """The body of `speculative_decode`: prefill, then verification steps until every row has finished. A step that
     verifies nothing runs with the layers switched off (the model's own computation) and the proposer defers its
@@ -278,11 +290,11 @@ def _decode(
     )
     cache = PreallocatedCache.like(given, model.config.get_text_config().num_hidden_layers, capacity)
     batch = RaggedBatch.start(input_ids, mask, max_new_tokens + k + 1, pad_token_id(generation_config))
+    stats = proposer.stats = SpecStats(num_draft_tokens=k)
     loop = _Loop(model, given, proposer, scheduler, RaggedLogitsProcessor(logits_processor),
                  Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer), layers,
                  companion, proposer.requires_hidden_states or companion is not None, do_sample, HostReads(),
-                 speculation.compaction_hole_fraction)
-    stats = proposer.stats = SpecStats(num_draft_tokens=k)
+                 speculation.compaction_hole_fraction, stats, FinishedRows(row_finished))
     proposer.start(capacity)
     caches = _caches(cache, proposer)
     clock = StepClock(input_ids.device)
@@ -341,6 +353,7 @@ def _decode(
         proposal = _propose(scheduler, proposer, layers, batch, output, position_ids, num_accepted)
         source_states = _source_states(output, num_accepted) if companion is not None else None
         step_counts = batch.refresh(reads, num_drafts.sum(), num_accepted.sum(), live.sum())
+        loop.finished_rows.report(batch, stats, reads)
         proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
         _maybe_compact(batch, caches, proposer, speculation.compaction_hole_fraction, k + 1)
         clock.lap(("step", step_size, width, step_counts, proposed, None if proposal is None else proposal.drafted))
@@ -348,7 +361,6 @@ def _decode(
     _observe(clock, scheduler, stats, profile)
     stats.handoffs = scheduler.handoff.handoffs if isinstance(scheduler, GoodputSchedule) else 0
     stats.host_reads = reads.count
-    stats.new_tokens = batch.num_generated.tolist()
     stats.finish()
     if speculative_streamer is not None:
         speculative_streamer.end()

@@ -3,18 +3,23 @@
 transformers' `model.generate_batch(inputs, generation_config)` keeps its slots busy (continuous batching, paged
 cache) but takes no assistant model. This takes the same inputs (token-id lists of any lengths) and runs them through
 speculative `generate` with `max_batch_size` slots: at most that many rows decode at once, and waiting requests are
-admitted as others finish (`admission.py`). Greedy outputs equal plain `generate`'s for each prompt.
+admitted as others finish (`admission.py`). Each request's output is ready, and handed to `on_output`, the step it
+finishes (`finishing.py`). Greedy outputs equal plain `generate`'s for each prompt.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers.utils.logging import tqdm
 from transformers import GenerationConfig
 
+from .finishing import FinishedRow
 from .generate import generate
-from .validation import resolved_config, resolved_pad_token_id
+from .validation import max_new_tokens, resolved_config, resolved_pad_token_id
 
 FINISH_REASONS = ("eos", "length", "stop")
 """Why a request ended: an end-of-sequence token, `max_new_tokens`, or a stop string / stopping criterion."""
@@ -28,13 +33,47 @@ class RequestOutput:
         prompt_ids: the request's prompt.
         generated_tokens: the tokens generated after it (its end-of-sequence token included, if it ended on one).
         finish_reason: one of `FINISH_REASONS`.
-        tokens_per_step: tokens committed per verification step of this request (kappa; 1.0 without speculation).
+        steps: target forwards that verified this request's drafts (its prefill is not one).
+        accepted_drafts: drafts of this request that were accepted.
     """
 
     prompt_ids: list[int]
     generated_tokens: list[int]
     finish_reason: str
-    tokens_per_step: float
+    steps: int
+    accepted_drafts: int
+
+    @property
+    def tokens_per_step(self) -> float:
+        """kappa of this request: tokens committed per step (1.0 without speculation)."""
+        return (self.steps + self.accepted_drafts) / self.steps if self.steps else 1.0
+
+
+class _Progress:
+    """The outputs as they come, a progress bar with tokens/s and kappa, and the caller's `on_output`."""
+
+    def __init__(self, inputs: list[list[int]], eos: set[int], max_new_tokens: int, show: bool,
+                 on_output: Callable[[int, RequestOutput], None] | None):
+        self.inputs, self.eos, self.max_new_tokens, self.on_output = inputs, eos, max_new_tokens, on_output
+        self.outputs: list[RequestOutput | None] = [None] * len(inputs)
+        self.bar = tqdm(total=len(inputs), unit="request", desc="generate_batch", disable=not show)
+        self.start = time.perf_counter()
+        self.tokens = self.steps = self.accepted = 0
+
+    def __call__(self, row: FinishedRow) -> None:
+        tokens = row.tokens
+        reason = "eos" if tokens and tokens[-1] in self.eos else "length" if len(tokens) >= self.max_new_tokens \
+            else "stop"
+        output = self.outputs[row.row] = RequestOutput(list(self.inputs[row.row]), tokens, reason, row.steps,
+                                                       row.accepted)
+        self.tokens, self.steps, self.accepted = self.tokens + len(tokens), self.steps + row.steps, \
+            self.accepted + row.accepted
+        seconds = time.perf_counter() - self.start
+        self.bar.set_postfix(tok_s=f"{self.tokens / seconds:.1f}",
+                             kappa=f"{(self.steps + self.accepted) / max(self.steps, 1):.2f}", refresh=False)
+        self.bar.update(1)
+        if self.on_output is not None:
+            self.on_output(row.row, output)
 
 
 def generate_batch(
@@ -43,11 +82,14 @@ def generate_batch(
     generation_config: GenerationConfig | None = None,
     assistant_model=None,
     max_batch_size: int = 16,
+    progress_bar: bool = True,
+    on_output: Callable[[int, RequestOutput], None] | None = None,
     **kwargs,
 ) -> list[RequestOutput]:
     """Speculative generation for `inputs` (token-id lists), `max_batch_size` rows at a time with continuous
-    batching; `assistant_model` and `kwargs` as `hf_specformer.generate` takes them. Returns one `RequestOutput`
-    per request, in order."""
+    batching; `assistant_model` and `kwargs` as `hf_specformer.generate` takes them. Shows a progress bar (requests,
+    tokens/s, kappa) unless `progress_bar` is False; `on_output(index, output)` is called as each request finishes.
+    Returns one `RequestOutput` per request, in input order."""
     if not inputs or any(not isinstance(ids, (list, tuple)) or not ids for ids in inputs):
         raise ValueError("inputs must be a non-empty list of non-empty token-id lists.")
     config, _ = resolved_config(model, generation_config, dict(kwargs))
@@ -56,32 +98,13 @@ def generate_batch(
     width = max(map(len, inputs))
     input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in inputs], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in inputs], device=model.device)
-    output = generate(model, input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
-                      assistant_model=assistant_model, max_batch_size=max_batch_size, return_dict_in_generate=True,
-                      **{**kwargs, "pad_token_id": pad})
-    stats = output.speculation_stats
-    limit = output.sequences.shape[1] - width if stats.plain_decoding else None
-    new_tokens = stats.new_tokens or [limit] * len(inputs)
-    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    maximum = config.max_new_tokens if config.max_new_tokens is not None else 20
-    kappas = stats.tokens_per_row_step if not stats.plain_decoding else [1.0] * len(inputs)
-    results = []
-    for prompt, row, count, kappa in zip(inputs, output.sequences[:, width:].tolist(), new_tokens, kappas):
-        generated = row[:count]
-        if stats.plain_decoding:
-            generated = _cut_padding(generated, eos, pad)
-        reason = "eos" if generated and generated[-1] in eos else "length" if len(generated) >= maximum else "stop"
-        results.append(RequestOutput(list(prompt), generated, reason, kappa))
-    return results
-
-
-def _cut_padding(generated: list[int], eos: list[int], pad: int) -> list[int]:
-    """A row of transformers' own loop (the call ran plain decoding), which pads after the row's end: cut after its
-    first end-of-sequence token, else before the trailing padding (a request that ended on a stop string and then
-    generated the pad token itself would lose it: only that loop knows where its rows ended)."""
-    ends = [i for i, token in enumerate(generated) if token in eos]
-    if ends:
-        return generated[: ends[0] + 1]
-    while generated and generated[-1] == pad:
-        generated = generated[:-1]
-    return generated
+    eos = config.eos_token_id
+    eos = set() if eos is None else set(eos) if isinstance(eos, list) else {eos}
+    progress = _Progress(inputs, eos, max_new_tokens(config, width), progress_bar, on_output)
+    try:
+        generate(model, input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                 assistant_model=assistant_model, max_batch_size=max_batch_size, row_finished=progress,
+                 **{**kwargs, "pad_token_id": pad})
+    finally:
+        progress.bar.close()
+    return progress.outputs

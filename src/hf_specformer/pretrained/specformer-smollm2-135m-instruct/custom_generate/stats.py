@@ -38,8 +38,8 @@ class SpecStats:
         predicted_seconds_by_width: `[k + 1]` what the step-cost profile predicted for the same steps (0 without
             one), so that a gap between the loop and the profile stays visible.
         handoffs: times the goodput scheduler's guard handed the call over to plain steps (`feedback.py`).
-        host_reads: device-to-host reads the loop made (`host.py`: at most two per step).
-        new_tokens: per original row, the tokens it generated (empty when the call ran plain decoding).
+        host_reads: device-to-host reads the loop made (`host.py`: at most two per step, plus one on a step where
+            rows finish when they are reported as they do, `finishing.py`).
     """
 
     num_draft_tokens: int
@@ -58,7 +58,6 @@ class SpecStats:
     predicted_seconds_by_width: list[float] = field(default_factory=list)
     handoffs: int = 0
     host_reads: int = 0
-    new_tokens: list[int] = field(default_factory=list)
     _row_steps: torch.Tensor | None = None
     _row_accepted: torch.Tensor | None = None
     _totals: torch.Tensor | None = None  # on the device: drafted, accepted, predicted, looked up, accepted_at,
@@ -100,6 +99,12 @@ class SpecStats:
         self._totals += step
         self._row_steps.index_add_(0, row_ids, torch.ones_like(row_ids) if live is None else live.long())
         self._row_accepted.index_add_(0, row_ids, num_accepted)
+
+    def row_counts(self, rows: torch.LongTensor) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """`[n]` steps and accepted drafts so far of the original rows `rows` (`[n]`), on the device."""
+        if self._row_steps is None:
+            return torch.zeros_like(rows), torch.zeros_like(rows)
+        return self._row_steps[rows], self._row_accepted[rows]
 
     def record_lookups(self, found: torch.BoolTensor, batch_size: int) -> None:
         """Drafts that prompt lookup proposed this step (`found` `[B, k]`), counted on the device."""

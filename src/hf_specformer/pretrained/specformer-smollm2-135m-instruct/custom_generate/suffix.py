@@ -26,18 +26,16 @@ Bundled into `custom_generate/`: torch only.
 
 from __future__ import annotations
 
-import copy
 
 from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import Cache
 
 from .acceptance import DRAFTER, LOOKUP, NO_DRAFT
 from .batch import RaggedBatch
-from .drafting import Proposal, Proposer
+from .drafting import Proposal, Proposer, WrappingProposer
 
 SEPARATOR = -1
 """Token id that ends every sequence of the matched text (never matched, never a draft)."""
@@ -214,7 +212,7 @@ def network_confidence(proposal: Proposal) -> torch.Tensor:
     return proposal.logits.float().softmax(-1).amax(-1)
 
 
-class SuffixProposer(Proposer):
+class SuffixProposer(WrappingProposer):
     """Another proposer's drafts, replaced by suffix drafts (`suffix_drafts`) where those are found, with their
     frequency as confidence (`Proposal.confidence`). Where the wrapped proposal already holds free drafts (prompt
     lookup), those stay.
@@ -228,46 +226,18 @@ class SuffixProposer(Proposer):
 
     def __init__(self, proposer: Proposer, index: SuffixIndex, max_ngram_size: int = 4, max_candidates: int = 32,
                  min_confidence: float = 0.1):
-        super().__init__(proposer.num_draft_tokens)
+        super().__init__(proposer)
         if max_ngram_size < 2:
             raise ValueError(f"max_ngram_size={max_ngram_size} must be at least 2.")
-        self.proposer = proposer
         self.index = index
         self.max_ngram_size = max_ngram_size
         self.max_candidates = max_candidates
         self.min_confidence = min_confidence
-        self.requires_hidden_states = proposer.requires_hidden_states
         self._index: tuple[torch.LongTensor, dict[int, SortedNgrams]] | None = None
 
     def start(self, capacity: int) -> None:
         self._index = None  # the index may have grown since the last call
-        self.proposer.start(capacity)
-
-    def select_rows(self, keep: torch.LongTensor) -> None:
-        self.proposer.select_rows(keep)
-
-    def fork(self, capacity: int) -> "SuffixProposer":
-        forked = copy.copy(self)  # the index as sorted for this call, if it is
-        forked.proposer = self.proposer.fork(capacity)
-        return forked
-
-    def flush(self, batch: RaggedBatch) -> None:
-        self.proposer.flush(batch)
-
-    def caches(self) -> list[Cache]:
-        return self.proposer.caches()
-
-    def modules(self) -> list[torch.nn.Module]:
-        return self.proposer.modules()
-
-    def profile_draft(self, batch_size: int) -> None:
-        self.proposer.profile_draft(batch_size)
-
-    def cost_description(self) -> dict:
-        return self.proposer.cost_description()
-
-    def skip(self, batch, hidden_states, position_ids, source_index) -> None:
-        self.proposer.skip(batch, hidden_states, position_ids, source_index)
+        super().start(capacity)
 
     def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
         """The wrapped proposal, with suffix drafts in rows where it has no free draft, one is found, and (where the
