@@ -33,7 +33,7 @@ class GenerationSettings:
         do_sample, temperature, top_p: sampling (greedy when `do_sample` is False).
         seed: seed of the sampled batches.
         chat_template: wrap each prompt as a user message in the tokenizer's chat template.
-        continuous: speculative jobs run on continuous batching (False: static batches; plain jobs always are).
+        continuous: run on continuous batching (False: static batches).
     """
 
     max_new_tokens: int = 256
@@ -135,27 +135,28 @@ def answer_continuously(
     tokenizer: PreTrainedTokenizerBase,
     window: list[tuple[int, list[int]]],
     settings: GenerationSettings,
-    speculation: dict,
+    speculation: dict | None,
     throughput: Throughput,
     save: Callable[[list[tuple[int, list[int], list[int]]]], None],
 ) -> None:
     """The target's answers to a window of `(id, prompt ids)` in one continuous-batching call (`generate_batch`,
-    `settings.batch_size` slots; `speculation` as for `answer_batch`): each answer goes to `save` as
-    `[(id, prompt ids, answer ids)]`, cut after EOS, the step it is finished, and adds to `throughput`."""
-    if settings.do_sample:
-        torch.manual_seed(batch_seed(settings.seed, window[0][0]))
+    `settings.batch_size` slots; `speculation` as for `answer_batch`, None: plain steps): each answer goes to `save`
+    as `[(id, prompt ids, answer ids)]`, cut after EOS, the step it is finished, and adds to `throughput`. A sampled
+    answer is seeded by (seed, its prompt's id) alone (`generate_batch`'s `seeds`), whatever window it is in."""
+    seeds = [batch_seed(settings.seed, index) for index, _ in window] if settings.do_sample else None
     eos_ids = eos_token_ids(target, tokenizer)
     start, seconds_before = time.perf_counter(), throughput.seconds
 
     def finished(position: int, output: RequestOutput) -> None:
         answer = cut_after_eos(output.generated_tokens, eos_ids)
         throughput.tokens += len(answer)
-        throughput.row_steps += output.steps
-        throughput.accepted += output.accepted_drafts
+        if speculation is not None:
+            throughput.row_steps += output.steps
+            throughput.accepted += output.accepted_drafts
         throughput.seconds = seconds_before + time.perf_counter() - start
         index, ids = window[position]
         save([(index, ids, answer)])
 
     generate_batch(target, [ids for _, ids in window], max_batch_size=settings.batch_size, progress_bar=False,
-                   on_output=finished, max_new_tokens=settings.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                   **settings.generate_kwargs(), **speculation)
+                   on_output=finished, seeds=seeds, max_new_tokens=settings.max_new_tokens,
+                   pad_token_id=tokenizer.pad_token_id, **settings.generate_kwargs(), **(speculation or {}))

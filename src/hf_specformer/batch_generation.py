@@ -10,21 +10,22 @@ for raw text) and answered with a drafter (plus prompt lookup, the goodput sched
 `--plain`; greedy by default, `--do-sample` for sampling. Speculation is lossless, so the answers are the target's
 own (greedy: token for token, up to low-precision ties; sampling: the same distribution).
 
-Speculative jobs run on continuous batching (`hf_specformer.generate_batch`): `--batch-size` rows decode at once and
-a waiting prompt takes the slot of each row that finishes, so no slot idles until a window of prompts runs out;
-`--static` runs batches of `--batch-size` prompts instead (`hf_specformer.generate`), each lasting as long as its
-slowest row, as `--plain` does.
+Jobs run on continuous batching (`hf_specformer.generate_batch`, with `--plain` on plain steps): `--batch-size` rows
+decode at once and a waiting prompt takes the slot of each row that finishes, so no slot idles until a window of
+prompts runs out; `--static` runs batches of `--batch-size` prompts instead (`hf_specformer.generate`, or
+transformers' `generate` with `--plain`), each lasting as long as its slowest row.
 
 Nothing is lost on interruption: every answer is appended to `<output>/progress/records*.jsonl` (see `records.py`)
-as soon as it is finished (with static batches, as its batch is) and a restart skips what is done. Under `accelerate launch` process r of n answers every n-th
-remaining prompt, on its own device, into its own records file. When every prompt is answered the main process
+as soon as it is finished (with static batches, as its batch is) and a restart skips what is done. Under
+`accelerate launch` process r of n answers every n-th remaining prompt, on its own device, into its own records file. When every prompt is answered the main process
 writes `<output>/dataset` (a `datasets` folder: `id`, `prompt`, `input_ids` = prompt + answer ids,
 `prompt_length`, `response`) and `<output>/generations.jsonl` (`id`, `prompt`, `response`), ordered by id.
 
 Choices: prompts are sorted by length within windows (`batching.py`; a continuous call takes a whole window);
-prompts longer than `max_prompt_tokens` are skipped and counted; a sampled batch or window is seeded from (seed, its
-first prompt's id), so an uninterrupted run repeats exactly, and a resumed one draws fresh samples for the prompts
-left (from the same distribution).
+prompts longer than `max_prompt_tokens` are skipped and counted. A sampled answer is seeded by (seed, its prompt's
+id) alone (`generate_batch`'s per-request seeds), so a run, resumed or not, with any batch size, repeats exactly;
+a static batch is seeded from (seed, its first prompt's id), so an uninterrupted static run repeats exactly and a
+resumed one draws fresh samples for the prompts left (from the same distribution).
 """
 
 from __future__ import annotations
@@ -175,9 +176,9 @@ def generate_dataset(
         bar.set_postfix(throughput.postfix(), refresh=False)
         bar.update(len(answers))
 
-    continuous = speculation is not None and settings.continuous
-    for batch in plan_windows(mine, settings.batch_size) if continuous else plan_batches(mine, settings.batch_size):
-        if continuous:
+    for batch in plan_windows(mine, settings.batch_size) if settings.continuous else \
+            plan_batches(mine, settings.batch_size):
+        if settings.continuous:
             answer_continuously(target, tokenizer, batch, settings, speculation, throughput, save)
         else:
             save(answer_batch(target, tokenizer, batch, settings, speculation, throughput))
@@ -187,7 +188,7 @@ def generate_dataset(
                     throughput.tokens, throughput.seconds, throughput.tokens_per_second,
                     "" if throughput.kappa is None else f", kappa {throughput.kappa:.2f}")
         throughput.save(os.path.join(progress_dir, THROUGHPUT_FILE.format(state.process_index)),
-                        num_prompts=len(mine), batch_size=settings.batch_size, continuous=continuous)
+                        num_prompts=len(mine), batch_size=settings.batch_size, continuous=settings.continuous)
     state.wait_for_everyone()
     if not state.is_main_process:
         return None
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     speculation = parser.add_argument_group("speculation")
-    speculation.add_argument("--plain", action="store_true", help="plain generate, no speculation (static batches)")
+    speculation.add_argument("--plain", action="store_true", help="plain decoding, no speculation")
     speculation.add_argument("--static", action="store_true",
                              help="static batches of --batch-size prompts instead of continuous batching")
     speculation.add_argument("--drafter", default=None,

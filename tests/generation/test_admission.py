@@ -82,16 +82,33 @@ def test_admissions_keep_processors_stop_strings_and_suffix_drafts_lossless(kind
     )
 
 
-def test_max_batch_size_must_be_a_positive_int_and_needs_drafts():
+def test_max_batch_size_must_be_a_positive_int():
     target = make_target()
     drafter = make_drafter(target)
     input_ids, mask = make_batch(3, seed=1)
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="max_batch_size"):
             generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_batch_size=bad)
-    with pytest.raises(ValueError, match="max_batch_size"):
-        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, num_draft_tokens=0,
-                 max_batch_size=2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_continuous_batching_without_drafts_equals_generate(kind):
+    """k = 0 with fewer slots than rows: plain steps in the engine, rows admitted as others finish (and no drafter
+    work: `NoDrafts`); `generate_batch` without a drafter runs the same way."""
+    target = make_target(kind)
+    input_ids, mask = make_batch(7, seed=8)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    eos = int(reference[2, input_ids.shape[1] + 4])
+    output = assert_same_as_generate(target, make_drafter(target), input_ids, mask, num_draft_tokens=0,
+                                     max_batch_size=3, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD)
+    stats = output.speculation_stats
+    assert not stats.plain_decoding and stats.drafted == 0 and stats.width_counts == [stats.steps]
+    prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
+    outputs = generate_batch(target, prompts, max_batch_size=3, max_new_tokens=12, eos_token_id=eos,
+                             pad_token_id=PAD, do_sample=False, progress_bar=False)
+    for output, row in zip(outputs, reference[:, input_ids.shape[1]:].tolist()):
+        end = row.index(eos) + 1 if eos in row else 12
+        assert output.generated_tokens == row[:end] and output.tokens_per_step == 1.0
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY_VOCAB, make_drafter, make_target
-from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table, started_batch
+from helpers import PAD, SimulatedClock, assert_same_as_generate, make_batch, optimistic_table, started_batch
 from transformers.cache_utils import DynamicCache
 
 from hf_specformer import OracleProposer, SpecFormerProposer
@@ -173,15 +173,6 @@ class ConfidentWrongOracle(OracleProposer):
     def __init__(self, reference_new_tokens: torch.LongTensor, k: int):
         super().__init__((reference_new_tokens + 1) % TINY_VOCAB, k, TINY_VOCAB, PAD)
         self.config = SimpleNamespace(acceptance_table=optimistic_table("confidence"))
-
-
-class SimulatedClock(feedback.StepClock):
-    """Seconds that depend on a step's work alone, not on the machine's load: a step costs 1 s plus 0.1 s per
-    verified draft, drafting 0.3 s (what learnt costs then converge to, whatever else runs beside the test)."""
-
-    def read(self) -> list[tuple[tuple, list[float]]]:
-        timed = super().read()
-        return [(label, [1.0 + 0.1 * label[3][0], 0.3 if label[5] else 0.0]) for label, _ in timed]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -74,11 +74,13 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 41, "companion"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 43, "goodput-feedback"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 47, "suffix"),
-     ({"temperature": 1.0}, None, [3, 7, 1, 5], 53, "continuous")],
+     ({"temperature": 1.0}, None, [3, 7, 1, 5], 53, "continuous"),
+     ({"temperature": 1.0, "top_p": 0.8}, None, [3, 7, 1, 5], 59, "seeded"),
+     ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 61, "seeded-goodput")],
     ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup",
          "t1.0-threshold", "t1.0-goodput", "t1.0-goodput-padded", "t0.8-topk5-lookup-goodput",
          "t1.0-goodput-companion", "t1.0-goodput-feedback", "t1.0-suffix-goodput",
-         "t1.0-continuous-goodput"],
+         "t1.0-continuous-goodput", "t1.0-topp0.8-seeded", "t0.8-topk5-lookup-seeded-goodput"],
 )
 def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, schedule):
     """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest.
@@ -92,7 +94,9 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     SV's (S, A) signals from a companion; `goodput-feedback`: no step costs given, so each call runs a plain step
     first (checked), then verifies drafts and chooses from costs learnt from its own timings; `suffix`: goodput with
     suffix drafts, which each row takes from the other rows' samples, with their frequency as confidence (checked);
-    `continuous`: 700 rows decoded at once, the others admitted as rows finish (checked)."""
+    `continuous`: 700 rows decoded at once, the others admitted as rows finish (checked); `seeded`: one sampling
+    seed per row (Gumbel-max noise keyed by seed, position and token, verified greedily), a row's draws
+    independent of the torch seed."""
     target = sharp_target()
     drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
     prompt = torch.tensor(prompt)
@@ -115,13 +119,16 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
         "goodput-feedback": dict(schedule="goodput"),  # no costs: learnt from the call's own timed steps
         "suffix": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False, suffix_index=True),
         "continuous": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False, max_batch_size=700),
+        "seeded": dict(schedule="fixed"),
+        "seeded-goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False),
     }[schedule]
     rows, accepted, drafted = [], 0, 0
-    for _ in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
+    for call in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
+        seeds = {"sampling_seeds": list(range(5000 * call, 5000 * (call + 1)))} if "seeded" in schedule else {}
         out = generate(
             target, input_ids=prompt[None].repeat(5000, 1), attention_mask=torch.ones(5000, len(prompt)),
             assistant_model=drafter, num_draft_tokens=3, generation_config=config, return_dict_in_generate=True,
-            **speculation,
+            **speculation, **seeds,
         )
         rows.append(out.sequences[:, len(prompt):])
         stats = out.speculation_stats  # the last call's, after the loop

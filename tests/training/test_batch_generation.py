@@ -70,11 +70,14 @@ def test_one_suffix_index_serves_every_batch_of_the_job(target, tokenizer, tmp_p
     assert sorted(map(len, index.sequences)) == sorted(map(len, spec["input_ids"]))
 
 
-def test_sampling_is_seeded_and_resumes_without_regenerating(target, tokenizer, tmp_path):
+def test_sampling_is_seeded_per_prompt_and_resumes_to_the_same_samples(target, tokenizer, tmp_path):
     settings = GenerationSettings(max_new_tokens=10, batch_size=2, do_sample=True, seed=3)
     first = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "a"), settings, progress=False)
     again = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "b"), settings, progress=False)
     assert first["input_ids"] == again["input_ids"]  # same seed, same samples
+    wider = GenerationSettings(max_new_tokens=10, batch_size=5, do_sample=True, seed=3)
+    assert generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "d"), wider,
+                            progress=False)["input_ids"] == first["input_ids"]  # per-prompt seeds, any slots
     other = GenerationSettings(max_new_tokens=10, batch_size=2, do_sample=True, seed=4)
     assert generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "c"), other,
                             progress=False)["input_ids"] != first["input_ids"]
@@ -87,8 +90,7 @@ def test_sampling_is_seeded_and_resumes_without_regenerating(target, tokenizer, 
     records.write_text("\n".join(kept) + "\n" + kept[0][:15])  # a kill during the fourth record's batch
     resumed = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "a"), settings, progress=False)
     assert sorted(resumed["id"]) == list(range(len(CHAT_PROMPTS)))
-    kept_ids = {json.loads(line)["id"] for line in kept}
-    assert all(resumed[i]["input_ids"] == first[i]["input_ids"] for i in kept_ids)
+    assert resumed["input_ids"] == first["input_ids"]  # kept records, and the same samples for the others
 
 
 def test_settings_and_options_are_checked(tmp_path):

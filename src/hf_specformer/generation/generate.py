@@ -10,7 +10,7 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
     model: the target, a causal LM or a PEFT model of one (a LoRA-adapted target runs with its adapters).
     assistant_model: a SpecFormer drafter (bound to `model` here if it is not yet) or a `Proposer`.
     num_draft_tokens: k, drafts per step (default: the drafter's `config.num_speculative_tokens`; 0: plain
-        decoding, transformers' own loop).
+        decoding, transformers' own loop, or with `max_batch_size` plain steps in the engine's continuous batching).
     lookup_ngram_size: add prompt lookup (`PromptLookupProposer`): where a row's last n committed tokens (n = this
         down to 2) occurred earlier in the row, the tokens that followed them are the drafts. 0 turns it off.
     compaction_hole_fraction: squeeze rejected/padding columns out of the caches once they are this share of the
@@ -45,6 +45,10 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         the whole batch, as `generate` returns them.
     row_finished: called with a `FinishedRow` (row index, generated tokens, steps, accepted drafts) as each row
         ends, so that a caller can use a row's answer before the call returns (`finishing.py`). Default None.
+    sampling_seeds: one int per row (after `num_return_sequences`), with `do_sample=True`: each row's text then
+        depends only on its seed, prompt and the model, not on its batch or its drafts (`seeding.py`: Gumbel-max
+        sampling with per-row noise, verified greedily); the call always runs the engine. Default None: torch's
+        generator, rejection sampling.
 transformers' names are accepted too, as arguments or in a `GenerationConfig`: `num_assistant_tokens` (k),
 `assistant_confidence_threshold`, `max_matching_ngram_size` (lookup n-gram), `prompt_lookup_num_tokens` (lookup
 on, k; 0: off) and `num_assistant_tokens_schedule` ("constant": fixed, "heuristic": goodput).
@@ -177,6 +181,20 @@ def _stop_string_criteria(config: GenerationConfig, generation_config, stopping_
         _without(generation_config, kwargs, ["stop_strings"])
 
 
+def _row_seeds(sampling_seeds, config: GenerationConfig, num_prompts: int, device) -> torch.LongTensor | None:
+    """`sampling_seeds` -> `[B]` seeds on `device` (None stays None), checked against the rows the call decodes."""
+    if sampling_seeds is None:
+        return None
+    if not config.do_sample:
+        raise ValueError("sampling_seeds need do_sample=True (greedy decoding draws nothing).")
+    seeds = torch.as_tensor(sampling_seeds, device=device)
+    rows = num_prompts * (config.num_return_sequences or 1)
+    if seeds.dtype != torch.long or seeds.shape != (rows,):
+        raise ValueError(f"sampling_seeds must hold one int per row: {rows} (prompts x num_return_sequences), got "
+                         f"{tuple(seeds.shape)} of {seeds.dtype}.")
+    return seeds
+
+
 def _acceptance_table(assistant_model, companion_model) -> dict | None:
     """The calibrated table the estimator starts from: the companion's (S, A) table, or the drafter's confidence
     table; None when the model carries none."""
@@ -211,6 +229,7 @@ def generate(
     suffix_index: SuffixIndex | bool | None = None,
     max_batch_size: int | None = None,
     row_finished=None,
+    sampling_seeds=None,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -237,6 +256,7 @@ def generate(
     )
     check_cache_layers(model, input_ids.shape[1], max_new_tokens(config, input_ids.shape[1]), proposer.num_draft_tokens)
     companion = _bind_companion(model, companion_model)
+    seeds = _row_seeds(sampling_seeds, config, input_ids.shape[0], model.device)
     stopping_criteria, generation_config = _stop_string_criteria(config, generation_config, stopping_criteria, kwargs)
     result = GenerationMixin.generate(
         model,
@@ -252,6 +272,7 @@ def generate(
         companion=companion,
         acceptance_table=_acceptance_table(assistant_model, companion) if speculation.schedule == "goodput" else None,
         row_finished=row_finished,
+        seeds=seeds,
         **kwargs,
     )
     if suffix_index is not None:

@@ -20,6 +20,7 @@ from .host import HostReads
 from .processing import RaggedLogitsProcessor
 from .costs import StepCostModel
 from .scheduling import FixedSchedule, GoodputSchedule, Schedule
+from .seeding import TokenSelector
 from .speculation import SpeculationConfig
 
 
@@ -27,15 +28,8 @@ DEFAULT_NUM_BINS = 10
 """Bins per signal of an uncalibrated acceptance table."""
 
 
-def select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.LongTensor:
-    """scores `[B, V]` -> `[B]`: argmax, or a sample of softmax(scores)."""
-    if not do_sample:
-        return scores.argmax(-1)
-    return torch.multinomial(scores.softmax(-1), 1).squeeze(1)
-
-
-def draft_tokens(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Proposal, do_sample: bool,
-           needs_probs: bool) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor | None]:
+def draft_tokens(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Proposal, selector: TokenSelector,
+                 needs_probs: bool) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor | None]:
     """A proposal -> draft ids `[B, k]` (written as scratch after each row's prefix), their sources `[B, k]`, and the
     processed probabilities `[B, k, V]` of the network's drafts (None when it did not draft, or without
     `needs_probs`). A network draft at slot j is processed with the prefix committed + drafts 1..j-1, one slot at a
@@ -50,7 +44,7 @@ def draft_tokens(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal:
         return proposal.ids, sources, None
 
     def select(scores: torch.Tensor, slots: slice) -> torch.LongTensor:
-        ids = select_tokens(scores.flatten(0, 1), do_sample).view(scores.shape[:2])
+        ids = selector(scores, batch, offset=slots.start or 0)
         return ids if fixed is None else torch.where(fixed[:, slots], proposal.ids[:, slots], ids)
 
     if not processor.reads_prefix:
@@ -109,9 +103,9 @@ def _companion_probs(companion, source_states: torch.Tensor, last_committed, dra
     return companion(hidden_states=source_states, input_ids=chain).logits.float().softmax(-1)
 
 
-def plan_step(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Proposal | None, do_sample: bool,
-              scheduler: Schedule, estimator: AcceptanceEstimator | None, companion, source_states, last_committed,
-              reads: HostReads):
+def plan_step(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Proposal | None,
+              selector: TokenSelector, scheduler: Schedule, estimator: AcceptanceEstimator | None, companion,
+              source_states, last_committed, reads: HostReads):
     """This step's drafts and how many of them each row verifies, chosen on the host after one read (`reads`) of
     the estimates (none without drafts, or for a fixed schedule without a threshold).
 
@@ -122,11 +116,11 @@ def plan_step(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Pr
     if proposal is None or proposal.empty:  # nothing proposed: a plain decoding step
         none = torch.zeros(batch.size, 0, dtype=torch.long, device=last_committed.device)
         return none, none, None, torch.zeros(batch.size, dtype=torch.long), None
-    needs_probs = do_sample or estimator is not None or scheduler.needs_confidence
-    draft_ids, sources, draft_probs = draft_tokens(batch, processor, proposal, do_sample, needs_probs)
+    needs_probs = selector.rejection_sampling or estimator is not None or scheduler.needs_confidence
+    draft_ids, sources, draft_probs = draft_tokens(batch, processor, proposal, selector, needs_probs)
     if estimator is None:
         if scheduler.needs_confidence:
-            confidence = draft_features("confidence", draft_probs, draft_ids, sources, sampled=do_sample,
+            confidence = draft_features("confidence", draft_probs, draft_ids, sources, sampled=selector.do_sample,
                                         fixed_confidence=proposal.confidence)[..., 0]
             scores = reads(confidence.masked_fill(batch.finished[:, None], 0.0))
         else:  # every row verifies k: nothing to read
@@ -135,6 +129,7 @@ def plan_step(batch: RaggedBatch, processor: RaggedLogitsProcessor, proposal: Pr
     companion_probs = (
         _companion_probs(companion, source_states, last_committed, draft_ids) if estimator.signal == "sv" else None
     )
-    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, do_sample, proposal.confidence)
+    predicted = estimator.estimate(draft_probs, draft_ids, sources, companion_probs, selector.do_sample,
+                                   proposal.confidence)
     predicted = predicted.masked_fill(batch.finished[:, None], 0.0)  # the scheduler spends nothing on padding
     return draft_ids, sources, draft_probs, scheduler.choose(reads(predicted), proposal.drafted), predicted

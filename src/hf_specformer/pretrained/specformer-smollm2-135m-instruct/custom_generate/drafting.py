@@ -17,8 +17,7 @@ when rows retire and `flush` before it compacts the caches.
   correction/bonus token (which a drafter with `next_token_input` reads).
 - `PromptLookupProposer`: wraps another proposer; where a row's last few committed tokens occurred earlier in the
   row (prompt or output), the tokens that followed them replace the wrapped proposer's drafts (prompt lookup).
-- `OracleProposer`: proposes a known continuation (the target's own greedy output), so every draft is accepted under
-  greedy decoding; it measures the engine's ceiling apart from drafter quality.
+- `OracleProposer`: a known continuation (the target's greedy output): the engine's ceiling, whatever the drafter.
 
 Bundled into `custom_generate/`: it reaches the drafter only through its `forward`, `config` and `bind_target`.
 """
@@ -174,6 +173,16 @@ class Proposer(ABC):
         """
 
 
+class NoDrafts(Proposer):
+    """Proposes nothing (k = 0): plain steps in the engine (continuous batching, seeded rows) without a drafter."""
+
+    def __init__(self):
+        super().__init__(0)
+
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
+        return Proposal()
+
+
 class SpecFormerProposer(Proposer):
     """Drafts with a `SpecFormerForDrafting` bound to the target (see the module docstring).
 
@@ -225,8 +234,7 @@ class SpecFormerProposer(Proposer):
 
     def profile_draft(self, batch_size: int) -> None:
         """One drafting forward (a single new position per row, no cache) and the softmax of its drafts."""
-        config = self.drafter.config
-        device = self.drafter.device
+        config, device = self.drafter.config, self.drafter.device
         hooked = torch.randn(batch_size, 1, len(config.hook_layers), config.hidden_size, device=device)
         output = self.drafter(
             hooked, position_ids=torch.zeros(batch_size, 1, dtype=torch.long, device=device), use_cache=False,
@@ -334,11 +342,10 @@ class PromptLookupProposer(WrappingProposer):
     """Another proposer's drafts, replaced by prompt lookup (`lookup_drafts`) wherever a match supplies them.
 
     Looked-up drafts cost no forward, and text often repeats its prompt or itself (names, code, lists), where a
-    learned drafter's later slots rarely reach. Measured teacher-forced on SmolLM2's greedy MT-bench answers with
-    the shipped drafter (k = 4): kappa 1.47 alone, 1.77 with lookup for n = 4..2 (n = 6..3: 1.72; n = 3..1: 1.72).
-    Looked-up drafts are ids (`Proposal.ids`): their draft distribution is one-hot, so sampling stays lossless (a
-    draft is accepted with the target's probability of that token, and a rejection samples the target's
-    distribution without it), and a step with lookup drafts alone builds nothing over the vocabulary.
+    learned drafter's later slots rarely reach (n = 4..2 measured best, README). Looked-up drafts are ids
+    (`Proposal.ids`): their draft distribution is one-hot, so sampling stays lossless (a draft is accepted with the
+    target's probability of that token, and a rejection samples the target's distribution without it), and a step
+    with lookup drafts alone builds nothing over the vocabulary.
     The wrapped proposer sees every step (SpecFormer's context cache must see every committed position).
 
     Args:

@@ -20,6 +20,7 @@ inputs, the cache, logits processors and stopping criteria exactly as for plain 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,16 +34,17 @@ from .admission import Admissions
 from .batch import RaggedBatch
 from .caching import PreallocatedCache
 from .committing import Committer, pad_token_id
-from .drafting import Proposal, Proposer
+from .drafting import NoDrafts, Proposal, Proposer
 from .feedback import StepClock
 from .finishing import FinishedRow, FinishedRows
 from .forwards import LoopLayers, target_forward
 from .host import HostReads
-from .planning import draft_distributions, make_estimator, make_schedule, plan_step, select_tokens
+from .planning import draft_distributions, make_estimator, make_schedule, plan_step
 from .processing import RaggedLogitsProcessor
 from .profiling import remember_costs, step_cost_profile
 from .costs import StepCostModel
 from .scheduling import GoodputSchedule, Schedule
+from .seeding import TokenSelector
 from .speculation import SpeculationConfig
 from .stats import SpecStats
 from .verification import verify_greedy, verify_sampling
@@ -83,7 +85,7 @@ class _Loop:
     layers: LoopLayers
     companion: torch.nn.Module | None
     needs_hidden_states: bool
-    do_sample: bool
+    selector: TokenSelector
     reads: HostReads
     compaction_hole_fraction: float
     stats: SpecStats
@@ -111,7 +113,7 @@ def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], row
         output = target_forward(loop.model, new.prompt_ids(), new.attention_mask, position_ids, cache,
                                 loop.needs_hidden_states, logits_to_keep=1)
     new.commit_prompt()
-    first = select_tokens(loop.processor(new, output.logits[:, -1:])[:, 0], loop.do_sample)
+    first = loop.selector(loop.processor(new, output.logits[:, -1:]), new)[:, 0]
     new.finished = loop.commit(new, first[:, None], torch.ones_like(first))
     source_index = torch.full_like(first, width - 1)
     if not batch.size:
@@ -190,6 +192,7 @@ def speculative_decode(
     companion=None,
     acceptance_table: dict | AcceptanceTable | None = None,
     row_finished: Callable[[FinishedRow], None] | None = None,
+    seeds: torch.LongTensor | None = None,
     **model_kwargs,
 ):
     """Batched lossless speculative decoding; a `generate` decoding method (see the module docstring).
@@ -206,6 +209,8 @@ def speculative_decode(
         acceptance_table: the estimator's calibrated table (`AcceptanceTable` or its dict); default uncalibrated.
         row_finished: called with a `FinishedRow` (its index, tokens, steps, accepted drafts) as each row ends
             (`finishing.py`; on transformers' own loop, for every row at the end).
+        seeds: `[B]` one sampling seed per row: each row's text depends only on its seed (`seeding.py`); the call
+            then never hands over to transformers' own loop, which knows no per-row seeds.
         model_kwargs: `attention_mask` (`[B, P]` or None for no padding) and the cache (a `DynamicCache`, as `cache`
             or, before transformers 5.24, `past_key_values`).
     Returns:
@@ -219,28 +224,29 @@ def speculative_decode(
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
     if companion is not None and speculation.schedule != "goodput":
         raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
-    modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
-    layers = LoopLayers(model, modules, speculation.cpu_speedups)
     slots = speculation.slots(input_ids.shape[0])
     continuous = slots < input_ids.shape[0]  # transformers' loop would decode every row at once
-    if proposer.num_draft_tokens == 0 and continuous:
-        raise ValueError("max_batch_size needs num_draft_tokens >= 1 (transformers' own loop decodes every row at "
-                         "once); for continuous batching without speculation use `generate_batch` (transformers).")
-    if proposer.num_draft_tokens == 0:
+    own_loop = not continuous and seeds is None  # transformers' loop may serve the call
+    if proposer.num_draft_tokens == 0 and own_loop:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, row_finished, model_kwargs)
+    if proposer.num_draft_tokens == 0:  # plain steps in the engine (continuous batching, or seeded rows)
+        proposer, companion = NoDrafts(), None
+        speculation = dataclasses.replace(speculation, schedule="fixed")
+    modules = [model, *proposer.modules(), *([companion] if companion is not None else [])]
+    layers = LoopLayers(model, modules, speculation.cpu_speedups)
     estimator = make_estimator(acceptance_table, companion, proposer.num_draft_tokens, input_ids.device) \
         if speculation.schedule == "goodput" else None
     expected = estimator.table.expected_accepted if estimator is not None else None
     profile = step_cost_profile(model, proposer, layers.cpu_speedups, slots, speculation.step_costs)
     scheduler = make_schedule(speculation, proposer.num_draft_tokens, profile, expected)
-    if not continuous and not scheduler.speculation_pays(slots):
+    if own_loop and not scheduler.speculation_pays(slots):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              speculative_streamer, row_finished, model_kwargs)
     with layers.installed():
         output = _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-            speculation, scheduler, estimator, companion, layers, profile, row_finished, model_kwargs,
+            speculation, scheduler, estimator, companion, layers, profile, row_finished, seeds, model_kwargs,
         )
     if speculation.step_costs is None:
         remember_costs(scheduler, model, proposer, layers.cpu_speedups, slots)
@@ -271,7 +277,7 @@ def _plain_decode(
 
 def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
-    speculation, scheduler, estimator, companion, layers, profile, row_finished, model_kwargs,
+    speculation, scheduler, estimator, companion, layers, profile, row_finished, seeds, model_kwargs,
 ):
     """The body of `speculative_decode`: prefill, then verification steps until every row has finished. A step that
     verifies nothing runs with the layers switched off (the model's own computation) and the proposer defers its
@@ -279,7 +285,7 @@ def _decode(
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
     if not isinstance(given, DynamicCache) or given.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
-    do_sample = bool(generation_config.do_sample)
+    selector = TokenSelector(bool(generation_config.do_sample), seeds)
     k = proposer.num_draft_tokens
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     capacity = cache_capacity(input_ids.shape[1], max_new_tokens, k)
@@ -293,7 +299,7 @@ def _decode(
     stats = proposer.stats = SpecStats(num_draft_tokens=k)
     loop = _Loop(model, given, proposer, scheduler, RaggedLogitsProcessor(logits_processor),
                  Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer), layers,
-                 companion, proposer.requires_hidden_states or companion is not None, do_sample, HostReads(),
+                 companion, proposer.requires_hidden_states or companion is not None, selector, HostReads(),
                  speculation.compaction_hole_fraction, stats, FinishedRows(row_finished))
     proposer.start(capacity)
     caches = _caches(cache, proposer)
@@ -316,7 +322,7 @@ def _decode(
         stats.drafting_steps += proposed and proposal.drafted
         last_committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
         draft_ids, sources, draft_probs, counts, predicted = plan_step(
-            batch, processor, proposal, do_sample, scheduler, estimator, companion, source_states, last_committed, reads
+            batch, processor, proposal, selector, scheduler, estimator, companion, source_states, last_committed, reads
         )
         if proposed and proposal.ids is not None:
             stats.record_lookups(sources == LOOKUP, input_ids.shape[0])
@@ -335,13 +341,14 @@ def _decode(
         else:
             output = target_forward(model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, 0)
         target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
-        if do_sample:
+        if selector.rejection_sampling:
             target_probs = target_scores.softmax(-1)
             q = draft_distributions(draft_ids, sources, draft_probs, target_probs.shape[-1])
             tokens, num_accepted = verify_sampling(draft_ids, q, target_probs, num_drafts,
                                                      kernel_backend=speculation.kernel_backend)
         else:
-            tokens, num_accepted = verify_greedy(draft_ids, target_scores, num_drafts, speculation.kernel_backend)
+            tokens, num_accepted = verify_greedy(draft_ids, selector.scores_to_verify(target_scores, batch), num_drafts,
+                                                 speculation.kernel_backend)
         if estimator is not None and predicted is not None:
             estimator.observe(num_accepted, num_drafts)
         live = ~batch.finished

@@ -17,6 +17,7 @@ import torch
 from transformers.utils.logging import tqdm
 from transformers import GenerationConfig
 
+from .drafting import NoDrafts
 from .finishing import FinishedRow
 from .generate import generate
 from .validation import max_new_tokens, resolved_config, resolved_pad_token_id
@@ -84,12 +85,16 @@ def generate_batch(
     max_batch_size: int = 16,
     progress_bar: bool = True,
     on_output: Callable[[int, RequestOutput], None] | None = None,
+    seeds: list[int] | None = None,
     **kwargs,
 ) -> list[RequestOutput]:
     """Speculative generation for `inputs` (token-id lists), `max_batch_size` rows at a time with continuous
-    batching; `assistant_model` and `kwargs` as `hf_specformer.generate` takes them. Shows a progress bar (requests,
+    batching; `assistant_model` and `kwargs` as `hf_specformer.generate` takes them (no `assistant_model`: plain
+    decoding steps, still with continuous batching). Shows a progress bar (requests,
     tokens/s, kappa) unless `progress_bar` is False; `on_output(index, output)` is called as each request finishes.
-    Returns one `RequestOutput` per request, in input order."""
+    `seeds` (one int per request, with `do_sample=True`): a sampled request's text depends only on its own seed,
+    not on the requests it shares the slots with (`seeding.py`). Returns one `RequestOutput` per request, in input
+    order."""
     if not inputs or any(not isinstance(ids, (list, tuple)) or not ids for ids in inputs):
         raise ValueError("inputs must be a non-empty list of non-empty token-id lists.")
     config, _ = resolved_config(model, generation_config, dict(kwargs))
@@ -103,7 +108,8 @@ def generate_batch(
     progress = _Progress(inputs, eos, max_new_tokens(config, width), progress_bar, on_output)
     try:
         generate(model, input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
-                 assistant_model=assistant_model, max_batch_size=max_batch_size, row_finished=progress,
+                 assistant_model=NoDrafts() if assistant_model is None else assistant_model,
+                 max_batch_size=max_batch_size, row_finished=progress, sampling_seeds=seeds,
                  **{**kwargs, "pad_token_id": pad})
     finally:
         progress.bar.close()
