@@ -10,7 +10,7 @@ from conftest import TINY_VOCAB, make_drafter, make_target
 from helpers import PAD, SimulatedClock, assert_same_as_generate, make_batch, optimistic_table, started_batch
 from transformers.cache_utils import DynamicCache
 
-from hf_specformer import OracleProposer, SpecFormerProposer
+from hf_specformer import OracleProposer, Proposal, SpecFormerProposer
 from hf_specformer.generation.caching import PreallocatedCache
 from hf_specformer.generation import engine, feedback, scheduling
 from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_LOSS, HANDOFF_MARGIN, HandOff, OnlineStepCosts
@@ -211,17 +211,33 @@ class HandOffEverySecondStep(HandOff):
             self.handoffs += 1
 
 
+class OracleSpecFormer(SpecFormerProposer):
+    """The SpecFormer drafter's work (its context cache, deferred through plain steps), with a known continuation's
+    tokens as its drafts (`OracleProposer`), so every draft is accepted."""
+
+    def __init__(self, drafter, continuations: torch.LongTensor, vocab_size: int):
+        super().__init__(drafter)
+        self.oracle = OracleProposer(continuations, self.num_draft_tokens, vocab_size, PAD)
+
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
+        proposal = super().propose(batch, hidden_states, position_ids, source_index, draft)
+        return self.oracle.propose(batch, hidden_states, position_ids, source_index) if proposal.drafted else proposal
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_hand_offs_forced_mid_call_keep_the_output_of_generate(kind, monkeypatch):
     """Hand-offs forced every second speculative step, with a back-off of 2 plain steps (then 4, 8, ...): the call
     alternates verification steps and spells of plain steps (nothing proposed, the drafter deferred), and the
-    greedy output (ragged rows, EOS at different steps) is still `generate`'s."""
+    greedy output (ragged rows, EOS at different steps) is still `generate`'s. On the simulated clock, with the
+    drafter's work run (and deferred) but the reference's tokens as its drafts, so that drafting pays and
+    verification steps happen whatever the machine's load."""
     monkeypatch.setattr(scheduling, "HandOff", HandOffEverySecondStep)
     monkeypatch.setattr(feedback, "HANDOFF_BACKOFF", 2)
+    monkeypatch.setattr(engine, "StepClock", SimulatedClock)
     target = make_target(kind)
-    drafter = make_drafter(target)
     input_ids, mask = make_batch(5, seed=8)
     reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=60)
+    drafter = OracleSpecFormer(make_drafter(target), reference[:, input_ids.shape[1]:], target.config.vocab_size)
     stats = assert_same_as_generate(
         target, drafter, input_ids, mask, step_costs=None, max_new_tokens=60, pad_token_id=PAD,
         eos_token_id=int(reference[1, input_ids.shape[1] + 20]),
