@@ -33,6 +33,25 @@ def resident_mib() -> tuple[float, float]:
     return tuple(int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM"))
 
 
+def plot(samples: list[tuple[int, float, float]], path: Path) -> None:
+    """Resident memory and its peak against requests finished, from (requests, rss, peak) samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    axis.plot([s[0] for s in samples], [s[1] for s in samples], label="resident (VmRSS)")
+    axis.plot([s[0] for s in samples], [s[2] for s in samples], label="peak so far (VmHWM)", linestyle="--")
+    axis.axvline(100, color="grey", linestyle=":")
+    axis.set_xlabel("requests finished")
+    axis.set_ylabel("MiB")
+    axis.set_ylim(0, 1.15 * max(s[2] for s in samples))
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=1000)
@@ -74,21 +93,7 @@ def main() -> None:
     print(f"{len(prompts)} requests in {seconds:.0f} s; peak resident memory {peak_at_100:.0f} MiB after 100, "
           f"{samples[-1][2]:.0f} MiB at the end ({100 * result['peak_growth']:+.1f}%)")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 3.5))
-    axis.plot([s[0] for s in samples], [s[1] for s in samples], label="resident (VmRSS)")
-    axis.plot([s[0] for s in samples], [s[2] for s in samples], label="peak so far (VmHWM)")
-    axis.axvline(100, color="grey", linestyle=":")
-    axis.set_xlabel("requests finished")
-    axis.set_ylabel("MiB")
-    axis.set_ylim(bottom=0)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(output.with_suffix(".png"))
+    plot(samples, output.with_suffix(".png"))
 
 
 if __name__ == "__main__":
