@@ -70,9 +70,9 @@ def test_rows_admitted_mid_call_give_the_output_of_generate(kind, max_batch_size
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_admissions_keep_processors_stop_strings_and_suffix_drafts_lossless(kind):
+def test_admissions_keep_prefix_processors_and_suffix_drafts_lossless(kind):
     """Prefix-reading processors (repetition penalty, min_new_tokens) and suffix drafts across rows admitted at
-    different times: still `generate`'s output."""
+    different times: still `generate`'s output (stop strings and EOS with admissions: `test_properties.py`)."""
     target = make_target(kind)
     drafter = make_drafter(target)
     input_ids, mask = make_batch(7, seed=5)

@@ -1,8 +1,8 @@
 """Property-based losslessness: greedy speculative output equals plain `generate` token for token (float64) on
 hypothesis-drawn cases: batch size 1..64, prompt lengths and left padding, k 1..l_d, the untrained drafter or a
 noisy oracle, EOS ids reached mid-way, min/max new tokens, repetition penalty, stop strings, prompt lookup on/off,
-suffix drafts on/off, compaction policy and both schedules (goodput, fixed k, confidence threshold), on Llama and
-Qwen3 targets.
+suffix drafts on/off, compaction policy, both schedules (goodput, fixed k, confidence threshold) and continuous
+batching (all rows at once, or 1, 3 or 8 slots with the others admitted as rows finish), on Llama and Qwen3 targets.
 
 `PROPERTY_EXAMPLES` cases run per CI run; hypothesis draws them from a random seed and, on a failure, prints the
 falsifying case, the run's seed (`--hypothesis-seed=...`, also in the header) and a `@reproduce_failure` blob.
@@ -63,6 +63,7 @@ def cases(draw) -> dict:
         suffix=draw(st.booleans()),
         schedule=draw(st.sampled_from(sorted(SCHEDULES))),
         compaction_hole_fraction=draw(st.sampled_from([0.0, 0.5, 2.0])),
+        max_batch_size=draw(st.sampled_from([None, None, 1, 3, 8])),
     )
 
 
@@ -104,7 +105,7 @@ def test_greedy_speculation_equals_generate(case):
     output = generate(
         target, input_ids=input_ids, attention_mask=mask, assistant_model=assistant, num_draft_tokens=num_draft_tokens,
         lookup_ngram_size=case["lookup_ngram_size"], compaction_hole_fraction=case["compaction_hole_fraction"],
-        suffix_index=case["suffix"],
+        suffix_index=case["suffix"], max_batch_size=case["max_batch_size"],
         **SCHEDULES[case["schedule"]], **kwargs,
     )
     repeat = f"(repeat with --hypothesis-seed={hypothesis_core.global_force_seed})"
