@@ -34,6 +34,8 @@ class GenerationSettings:
         seed: seed of the sampled batches.
         chat_template: wrap each prompt as a user message in the tokenizer's chat template.
         continuous: run on continuous batching (False: static batches).
+        memory_budget_gib: with continuous batching, fewer slots than `batch_size` where their state would not fit
+            in this many GiB (`generate`'s `memory_budget`). None: `batch_size` slots.
     """
 
     max_new_tokens: int = 256
@@ -45,10 +47,13 @@ class GenerationSettings:
     seed: int = 0
     chat_template: bool = True
     continuous: bool = True
+    memory_budget_gib: float | None = None
 
     def __post_init__(self):
         if min(self.max_new_tokens, self.max_prompt_tokens, self.batch_size) < 1:
             raise ValueError("max_new_tokens, max_prompt_tokens and batch_size must be at least 1.")
+        if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
+            raise ValueError(f"memory_budget_gib={self.memory_budget_gib} must be positive.")
         if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ValueError(f"Sampling needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, "
                              f"{self.top_p}.")
@@ -62,7 +67,7 @@ class GenerationSettings:
     def meta(self) -> dict:
         """The settings a resumed run must share (the batch size, the prompt limit and the batching may change)."""
         return {name: value for name, value in asdict(self).items()
-                if name not in ("batch_size", "max_prompt_tokens", "continuous")}
+                if name not in ("batch_size", "max_prompt_tokens", "continuous", "memory_budget_gib")}
 
 
 @dataclass
@@ -157,6 +162,7 @@ def answer_continuously(
         index, ids = window[position]
         save([(index, ids, answer)])
 
+    budget = None if settings.memory_budget_gib is None else int(settings.memory_budget_gib * 2**30)
     generate_batch(target, [ids for _, ids in window], max_batch_size=settings.batch_size, progress_bar=False,
-                   on_output=finished, seeds=seeds, max_new_tokens=settings.max_new_tokens,
+                   memory_budget=budget, on_output=finished, seeds=seeds, max_new_tokens=settings.max_new_tokens,
                    pad_token_id=tokenizer.pad_token_id, **settings.generate_kwargs(), **(speculation or {}))

@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     speculation.add_argument("--plain", action="store_true", help="plain decoding, no speculation")
     speculation.add_argument("--static", action="store_true",
                              help="static batches of --batch-size prompts instead of continuous batching")
+    speculation.add_argument("--memory-budget-gib", type=float, default=None,
+                             help="continuous batching: fewer slots than --batch-size where their caches and logits "
+                                  "would not fit in this many GiB")
     speculation.add_argument("--drafter", default=None,
                              help="SpecFormer drafter folder (default: the shipped one, for the default target)")
     speculation.add_argument("--companion", default=None, help="Speculative Verification companion folder")
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
         do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        chat_template=args.chat_template, continuous=not args.static,
+        chat_template=args.chat_template, continuous=not args.static, memory_budget_gib=args.memory_budget_gib,
     )
     prompts = load_prompts(args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit,
                            shuffle_seed=args.seed if args.shuffle else None)

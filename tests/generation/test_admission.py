@@ -7,10 +7,12 @@ import torch
 from conftest import make_drafter, make_target
 from helpers import PAD, assert_same_as_generate, make_batch, started_batch
 
-from hf_specformer import generate, generate_batch
-from hf_specformer.generation.admission import Admissions
-from hf_specformer.generation.caching import PreallocatedCache
+from hf_specformer import SpecFormerProposer, generate, generate_batch
+from hf_specformer.generation.admission import VOCABULARY_COPIES, Admissions, slot_bytes
+from hf_specformer.generation.caching import PreallocatedCache, cache_capacity, kv_bytes_per_column
+from hf_specformer.generation.speculation import SpeculationConfig
 from hf_specformer.generation.costs import StepCostModel
+from hf_specformer.generation.forwards import cache_argument
 
 
 def test_admissions_wait_for_an_eighth_of_the_slots_then_fill_every_free_one():
@@ -232,3 +234,58 @@ def test_a_batch_left_without_rows_keeps_no_columns():
     cache.update(torch.ones(3, 2, 5, 4), torch.ones(3, 2, 5, 4), 0)
     cache.batch_select_indices(torch.tensor([], dtype=torch.long))
     assert cache.columns == 0
+
+
+def _buffer_bytes(cache: PreallocatedCache) -> int:
+    return sum(layer.key_buffer.nbytes + layer.value_buffer.nbytes for layer in cache.layers)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_slot_bytes_are_the_bytes_the_caches_allocate_per_row(kind):
+    """The target's and the drafter's preallocated caches, filled by real forwards of 3 rows, hold exactly
+    3 x capacity x the bytes per column that `slot_bytes` counts; the rest of a slot is its logits and prefill
+    states."""
+    target = make_target(kind)
+    proposer = SpecFormerProposer(make_drafter(target), num_draft_tokens=3)
+    config = target.config.get_text_config()
+    input_ids, mask = make_batch(3, seed=2)
+    width, max_new_tokens = input_ids.shape[1], 10
+    capacity = cache_capacity(width, max_new_tokens, 3)
+    cache = PreallocatedCache(config.num_hidden_layers, capacity)
+    output = target(input_ids=input_ids, attention_mask=mask, **cache_argument(target, cache), output_hidden_states=True)
+    proposer.start(capacity)
+    hooked = torch.stack([output.hidden_states[i] for i in proposer.drafter.config.hook_layers], dim=2)
+    proposer.drafter(hooked, past_key_values=proposer.cache, return_logits=False)
+    target_per_column = kv_bytes_per_column(config, config.num_hidden_layers, target.dtype)
+    assert _buffer_bytes(cache) == 3 * capacity * target_per_column
+    assert _buffer_bytes(proposer.cache) == 3 * capacity * proposer.cache_bytes_per_column() > 0
+    rest = VOCABULARY_COPIES * 4 * config.vocab_size * 8 + (config.num_hidden_layers + 1) * width * config.hidden_size * 8
+    assert slot_bytes(target, proposer, width, max_new_tokens) == \
+        capacity * (target_per_column + proposer.cache_bytes_per_column()) + rest
+
+
+def test_a_memory_budget_caps_the_slots_at_what_fits():
+    config = SpeculationConfig(max_batch_size=8, memory_budget=3500)
+    assert config.slots(20, 1000) == 3 and config.slots(2, 1000) == 2
+    assert SpeculationConfig(max_batch_size=2, memory_budget=3500).slots(20, 1000) == 2
+    assert SpeculationConfig(memory_budget=3500).slots(20, 1000) == 3
+    with pytest.raises(ValueError, match="holds no row"):
+        config.slots(20, 4000)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="memory_budget"):
+            SpeculationConfig(memory_budget=bad)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_rows_under_a_memory_budget_give_the_output_of_generate(kind):
+    """A budget of two and a half slots (2 rows decoded at once, the others admitted as rows finish) keeps every
+    row equal to plain `generate`; a budget below one slot is refused."""
+    target = make_target(kind)
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(7, seed=4)
+    one_slot = slot_bytes(target, SpecFormerProposer(drafter, num_draft_tokens=4), input_ids.shape[1], 12)
+    assert_same_as_generate(target, drafter, input_ids, mask, num_draft_tokens=4, max_new_tokens=12,
+                            pad_token_id=PAD, memory_budget=int(2.5 * one_slot))
+    with pytest.raises(ValueError, match="holds no row"):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, num_draft_tokens=4,
+                 max_new_tokens=12, pad_token_id=PAD, memory_budget=one_slot - 1)

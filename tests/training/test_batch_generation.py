@@ -17,13 +17,15 @@ from conftest import CHAT_PROMPTS, make_drafter, tiny_chat_target
 from datasets import load_from_disk
 from training_helpers import free_port
 
-from hf_specformer import SuffixIndex, answering, batch_generation
+from hf_specformer import SpecFormerProposer, SuffixIndex, answering, batch_generation
 from hf_specformer.batch_generation import (
     GENERATIONS_FILE,
     GenerationSettings,
     generate_dataset,
     main,
 )
+from hf_specformer.generation.admission import slot_bytes
+from hf_specformer.prompts import chat_prompt_ids
 from hf_specformer.records import PROGRESS_DIR, THROUGHPUT_FILE
 
 SPECULATION = {"schedule": "fixed", "num_draft_tokens": 2, "lookup_ngram_size": 2}
@@ -50,6 +52,26 @@ def test_speculative_answers_equal_plain_answers(target, tokenizer, tmp_path, ca
     lines = [json.loads(line) for line in (tmp_path / "spec" / GENERATIONS_FILE).read_text().splitlines()]
     assert lines == [{"id": i, "prompt": p, "response": r}
                      for i, p, r in zip(spec["id"], CHAT_PROMPTS, spec["response"])]
+
+
+def test_a_memory_budget_keeps_the_answers_and_one_too_small_is_refused(target, tokenizer, tmp_path):
+    """`--memory-budget-gib`: a budget that holds fewer slots than the batch size gives the same answers; one that
+    holds no row stops the job with the reason."""
+    settings = GenerationSettings(max_new_tokens=24, batch_size=4)
+    plain = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "plain"), settings, progress=False)
+    speculation = {"assistant_model": make_drafter(target, draft_length=2), **SPECULATION}
+    width = max(len(chat_prompt_ids(tokenizer, prompt)) for prompt in CHAT_PROMPTS)  # one window: 2 slots
+    slot = slot_bytes(target, SpecFormerProposer(speculation["assistant_model"], 2), width, 24)
+    budgeted = GenerationSettings(max_new_tokens=24, batch_size=4, memory_budget_gib=2.5 * slot / 2**30)
+    spec = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "spec"), budgeted,
+                            speculation=speculation, progress=False)
+    assert spec["response"] == plain["response"]
+    tiny = GenerationSettings(max_new_tokens=24, batch_size=4, memory_budget_gib=1e-9)
+    with pytest.raises(ValueError, match="holds no row"):
+        generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "tiny"), tiny, speculation=speculation,
+                         progress=False)
+    with pytest.raises(ValueError, match="memory_budget_gib"):
+        GenerationSettings(memory_budget_gib=0)
 
 
 def test_one_suffix_index_serves_every_batch_of_the_job(target, tokenizer, tmp_path):

@@ -17,7 +17,6 @@ when rows retire and `flush` before it compacts the caches.
   correction/bonus token (which a drafter with `next_token_input` reads).
 - `PromptLookupProposer`: wraps another proposer; where a row's last few committed tokens occurred earlier in the
   row (prompt or output), the tokens that followed them replace the wrapped proposer's drafts (prompt lookup).
-- `OracleProposer`: a known continuation (the target's greedy output): the engine's ceiling, whatever the drafter.
 
 Bundled into `custom_generate/`: it reaches the drafter only through its `forward`, `config` and `bind_target`.
 """
@@ -33,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .acceptance import DRAFTER, LOOKUP, NO_DRAFT
 from .batch import RaggedBatch
-from .caching import PreallocatedCache
+from .caching import PreallocatedCache, kv_bytes_per_column
 
 
 @dataclass
@@ -132,6 +131,10 @@ class Proposer(ABC):
         """Caches whose columns follow the target's (the engine drops rows and compacts holes in all of them)."""
         return []
 
+    def cache_bytes_per_column(self) -> int:
+        """Bytes one row's column takes in all of `caches()` (`caching.kv_bytes_per_column`)."""
+        return 0
+
     def modules(self) -> list[torch.nn.Module]:
         """Networks the proposer runs (the engine speeds up their few-row linear layers on the CPU)."""
         return []
@@ -224,6 +227,9 @@ class SpecFormerProposer(Proposer):
 
     def caches(self) -> list[Cache]:
         return [self.cache]
+
+    def cache_bytes_per_column(self) -> int:
+        return kv_bytes_per_column(self.drafter.config, 1, self.drafter.dtype)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.drafter, self.drafter.draft_head()]
@@ -325,6 +331,9 @@ class WrappingProposer(Proposer):
     def caches(self) -> list[Cache]:
         return self.proposer.caches()
 
+    def cache_bytes_per_column(self) -> int:
+        return self.proposer.cache_bytes_per_column()
+
     def modules(self) -> list[torch.nn.Module]:
         return self.proposer.modules()
 
@@ -372,28 +381,3 @@ class PromptLookupProposer(WrappingProposer):
         confidence = torch.where(found, 1.0, proposal.fixed_confidence())  # the wrapped free drafts where none found
         return Proposal(proposal.logits, torch.where(found, ids, proposal.ids), torch.where(found, LOOKUP, elsewhere),
                         confidence)
-
-
-class OracleProposer(Proposer):
-    """Proposes `continuations[b, n : n + k]` for a row that has generated n tokens; `pad_token_id` past the end.
-
-    Args:
-        continuations: `[B0, N]` the tokens each row is expected to generate (e.g. the target's greedy output).
-        vocab_size: V of the returned one-hot logits.
-    """
-
-    def __init__(self, continuations: torch.LongTensor, num_draft_tokens: int, vocab_size: int, pad_token_id: int):
-        super().__init__(num_draft_tokens)
-        padding = continuations.new_full((continuations.shape[0], num_draft_tokens + 1), pad_token_id)
-        self.continuations = torch.cat([continuations, padding], dim=1)
-        self.vocab_size = vocab_size
-
-    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
-        if not draft:
-            return Proposal()
-        rows = batch.row_ids
-        columns = batch.num_generated[rows, None] + torch.arange(self.num_draft_tokens, device=rows.device)
-        columns = columns.clamp(max=self.continuations.shape[1] - 1)
-        draft_ids = self.continuations.to(rows.device)[rows[:, None], columns]  # [B, k]
-        logits = torch.full((rows.numel(), self.num_draft_tokens, self.vocab_size), float("-inf"), device=rows.device)
-        return Proposal(logits.scatter_(2, draft_ids[..., None], 0.0))

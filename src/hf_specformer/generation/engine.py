@@ -30,9 +30,9 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import LOOKUP, AcceptanceTable
-from .admission import Admissions
+from .admission import Admissions, slot_bytes
 from .batch import RaggedBatch
-from .caching import PreallocatedCache
+from .caching import PreallocatedCache, cache_capacity
 from .committing import Committer, pad_token_id
 from .drafting import NoDrafts, Proposal, Proposer
 from .feedback import StepClock
@@ -64,12 +64,6 @@ def _source_states(output, index: torch.LongTensor) -> torch.Tensor:
 
 def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
     return [cache, *proposer.caches()]
-
-
-def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int) -> int:
-    """Columns the engine's caches hold: the prompt, the new tokens, one step of drafts, and as many columns again
-    for holes (rejected drafts) before compaction must make room."""
-    return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
 
 
 @dataclass
@@ -224,7 +218,9 @@ def speculative_decode(
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
     if companion is not None and speculation.schedule != "goodput":
         raise ValueError("A companion model only serves the goodput scheduler (schedule='goodput').")
-    slots = speculation.slots(input_ids.shape[0])
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    slots = speculation.slots(input_ids.shape[0], slot_bytes(model, proposer, input_ids.shape[1], max_new_tokens))
+    speculation = dataclasses.replace(speculation, max_batch_size=slots, memory_budget=None)  # budget -> slots, once
     continuous = slots < input_ids.shape[0]  # transformers' loop would decode every row at once
     own_loop = not continuous and seeds is None  # transformers' loop may serve the call
     if proposer.num_draft_tokens == 0 and own_loop:
@@ -292,7 +288,7 @@ def _decode(
     mask = model_kwargs.get("attention_mask")
     admissions = Admissions(
         [input_ids.shape[1]] * input_ids.shape[0] if mask is None else mask.sum(-1).tolist(),  # one host read
-        speculation.slots(input_ids.shape[0]),
+        speculation.slots(input_ids.shape[0], 0),
     )
     cache = PreallocatedCache.like(given, model.config.get_text_config().num_hidden_layers, capacity)
     batch = RaggedBatch.start(input_ids, mask, max_new_tokens + k + 1, pad_token_id(generation_config))

@@ -52,6 +52,8 @@ class SpeculationConfig:
         kernel_backend: verification's kernels, one of `KERNEL_BACKENDS` (None: `HF_SPECFORMER_KERNELS`).
         max_batch_size: the most rows decoded at once (None: all of the call's); the others wait and join as
             running rows finish (continuous batching, `admission.py`).
+        memory_budget: bytes the decoding rows' state may take (caches, vocabulary-wide tensors, prefill states;
+            `admission.slot_bytes`); the slots are then at most as many as fit. None: no budget.
     """
 
     num_draft_tokens: int | None = None
@@ -65,6 +67,7 @@ class SpeculationConfig:
     cost_feedback: bool = True
     kernel_backend: str | None = None
     max_batch_size: int | None = None
+    memory_budget: int | None = None
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "lookup_ngram_size"):
@@ -86,14 +89,20 @@ class SpeculationConfig:
             raise ValueError("confidence_threshold applies to schedule='fixed'; the goodput scheduler sets its own.")
         if self.kernel_backend not in (None, *KERNEL_BACKENDS):
             raise ValueError(f"kernel_backend={self.kernel_backend!r} must be one of {KERNEL_BACKENDS}.")
-        if self.max_batch_size is not None and (
-            isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1
-        ):
-            raise ValueError(f"max_batch_size={self.max_batch_size!r} must be a positive int (None: every row at once).")
+        for name in ("max_batch_size", "memory_budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive int (None: no limit).")
 
-    def slots(self, num_rows: int) -> int:
-        """Rows decoded at once in a call of `num_rows` rows."""
-        return num_rows if self.max_batch_size is None else min(num_rows, self.max_batch_size)
+    def slots(self, num_rows: int, slot_bytes: int) -> int:
+        """Rows decoded at once in a call of `num_rows` rows, a slot taking `slot_bytes` of `memory_budget`."""
+        slots = num_rows if self.max_batch_size is None else min(num_rows, self.max_batch_size)
+        if self.memory_budget is None:
+            return slots
+        if self.memory_budget < slot_bytes:
+            raise ValueError(f"memory_budget={self.memory_budget} bytes holds no row: one takes {slot_bytes} bytes "
+                             "(its caches, logits and prefill states; `admission.slot_bytes`).")
+        return min(slots, self.memory_budget // slot_bytes)
 
     @classmethod
     def from_arguments(

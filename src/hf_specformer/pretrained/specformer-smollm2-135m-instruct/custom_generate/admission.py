@@ -10,14 +10,39 @@ of its rows (which they need anyway) plus a fixed part: one more forward call, t
 and the joined caches' copy of the new rows. Admitting as each row finishes would pay that fixed part per row; waiting
 for a quarter of the slots would leave an eighth idle on average. Rows are admitted in the order given (the batch
 job sorts its prompts by length, so rows admitted together have prompts of similar widths).
+
+How many slots: `max_batch_size`, or with `memory_budget` as many as fit in it at `slot_bytes` each.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+import torch
+
+from .caching import cache_capacity, kv_bytes_per_column
+from .drafting import Proposer
+
 ADMISSION_SHARE = 8
 """Rows are admitted once 1 / ADMISSION_SHARE of the slots (at least one) are free."""
+
+
+VOCABULARY_COPIES = 4
+"""Vocabulary-wide tensors a step holds per verified position at once, counted for a slot's memory: the target's
+logits, the processed scores, probabilities, and the drafts' (a conservative count: greedy steps hold fewer)."""
+
+
+def slot_bytes(model: torch.nn.Module, proposer: Proposer, prompt_width: int, max_new_tokens: int) -> int:
+    """Most bytes one slot (a decoding row) takes in a call: its columns of the target's and the proposer's caches
+    (`cache_capacity` of them), `VOCABULARY_COPIES` vocabulary-wide tensors per verified position, and its prefill's
+    hidden states (every layer's, at `prompt_width` positions, which the drafter reads). The model's weights and
+    the call's token ids are not counted: they do not grow with the slots."""
+    config = model.config.get_text_config()
+    k, size = proposer.num_draft_tokens, model.dtype.itemsize
+    per_column = kv_bytes_per_column(config, config.num_hidden_layers, model.dtype) + proposer.cache_bytes_per_column()
+    logits = VOCABULARY_COPIES * (k + 1) * config.vocab_size * size
+    prefill_states = (config.num_hidden_layers + 1) * prompt_width * config.hidden_size * size
+    return cache_capacity(prompt_width, max_new_tokens, k) * per_column + logits + prefill_states
 
 
 class Admissions:

@@ -31,10 +31,9 @@ import torch
 
 def padded_batch_size(num_live: int) -> int:
     """Rows a batch keeps while `num_live` rows still generate: a power of two up to 8, a multiple of 8 above (0 for
-    none); finished rows fill the difference. Dropping a row does not always make a step cheaper: on the CPU testbed
-    a plain SmolLM2 step took 108, 93, 96 and 90 ms at 3, 4, 7 and 8 rows, and a call that dropped one finished row
-    of 8 ran its remaining steps about 14% slower; GPU kernels tile rows by 8 and more. Plain `generate` keeps every
-    row, so keeping these never costs more than it does."""
+    none); finished rows fill the difference. Dropping a row does not always make a step cheaper (on the CPU a step
+    of 3 or 7 rows cost no less than one of 4 or 8; GPU kernels tile rows by 8 and more), and plain `generate` keeps
+    every row, so keeping these never costs more than it does."""
     if num_live <= 8:
         return 1 << (num_live - 1).bit_length() if num_live else 0
     return -(-num_live // 8) * 8

@@ -16,6 +16,20 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
+def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int) -> int:
+    """Columns the engine's caches hold: the prompt, the new tokens, one step of drafts, and as many columns again
+    for holes (rejected drafts) before compaction must make room."""
+    return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
+
+
+def kv_bytes_per_column(config, num_layers: int, dtype: torch.dtype) -> int:
+    """Bytes one row's cache column takes in `num_layers` attention layers of a model with `config`: a key and a
+    value per key/value head (`num_key_value_heads`, else `num_attention_heads`; `head_dim`, else hidden / heads)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return num_layers * 2 * heads * head_dim * dtype.itemsize
+
+
 class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in buffers `[B0, H, capacity, D]`; `keys`/`values` are views of the active rows'
     used columns `[B, H, length, D]`.

@@ -43,6 +43,9 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         running batch as rows finish, each with a prefill of its own (continuous batching, `admission.py`), so a
         call over many prompts keeps its slots busy and its caches at `max_batch_size` rows. Outputs are those of
         the whole batch, as `generate` returns them.
+    memory_budget: bytes the decoding rows' state may take (their cache columns, vocabulary-wide tensors and prefill
+        states: `admission.slot_bytes`); the rows decoded at once are then at most as many as fit, the others wait
+        as with `max_batch_size`. ValueError if not even one row fits. Default None: no budget.
     row_finished: called with a `FinishedRow` (row index, generated tokens, steps, accepted drafts) as each row
         ends, so that a caller can use a row's answer before the call returns (`finishing.py`). Default None.
     sampling_seeds: one int per row (after `num_return_sequences`), with `do_sample=True`: each row's text then
@@ -228,6 +231,7 @@ def generate(
     kernel_backend: str | None = None,
     suffix_index: SuffixIndex | bool | None = None,
     max_batch_size: int | None = None,
+    memory_budget: int | None = None,
     row_finished=None,
     sampling_seeds=None,
     **kwargs,
@@ -241,7 +245,7 @@ def generate(
         config, num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule,
         compaction_hole_fraction=compaction_hole_fraction, step_costs=step_costs, cpu_speedups=cpu_speedups,
         packed_verification=packed_verification, cost_feedback=cost_feedback, kernel_backend=kernel_backend,
-        max_batch_size=max_batch_size,
+        max_batch_size=max_batch_size, memory_budget=memory_budget,
     )
     generation_config = _without(generation_config, kwargs, TRANSFORMERS_NAMES)
     input_ids = inputs if inputs is not None else unused.get("input_ids")

@@ -82,7 +82,7 @@ def generate_batch(
     inputs: list[list[int]],
     generation_config: GenerationConfig | None = None,
     assistant_model=None,
-    max_batch_size: int = 16,
+    max_batch_size: int | None = 16,
     progress_bar: bool = True,
     on_output: Callable[[int, RequestOutput], None] | None = None,
     seeds: list[int] | None = None,
@@ -92,6 +92,8 @@ def generate_batch(
     batching; `assistant_model` and `kwargs` as `hf_specformer.generate` takes them (no `assistant_model`: plain
     decoding steps, still with continuous batching). Shows a progress bar (requests,
     tokens/s, kappa) unless `progress_bar` is False; `on_output(index, output)` is called as each request finishes.
+    `memory_budget=` (bytes, in `kwargs`) caps the slots at as many as fit in it (`max_batch_size=None`: the budget
+    alone sets them).
     `seeds` (one int per request, with `do_sample=True`): a sampled request's text depends only on its own seed,
     not on the requests it shares the slots with (`seeding.py`). Returns one `RequestOutput` per request, in input
     order."""
