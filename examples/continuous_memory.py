@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hf_specformer import generate_batch
-from hf_specformer.assistants import load_drafter
+from hf_specformer.shipped_models import load_drafter
 from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.targets import load_target, load_tokenizer
 

@@ -14,7 +14,7 @@ ALLOWED = {
     "generation": {"generation", "kernels"},
     "kernels": {"kernels"},
     "hub": {"hub", "models", "generation"},
-    "training": {"training", "models", "generation", "hub", "targets", "prompts", "records", "assistants",
+    "training": {"training", "models", "generation", "hub", "targets", "prompts", "records", "shipped_models",
                  "batching", "batch_generation"},
 }
 BUNDLED_EXTERNAL = {"torch", "transformers", "numpy"} | set(sys.stdlib_module_names)

@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> dict | None:
     """The speculative arguments of `generate` that the options ask for (None for `--plain`)."""
-    from .assistants import load_companion, load_drafter
+    from .shipped_models import load_companion, load_drafter
 
     if args.plain:
         return None

@@ -60,7 +60,7 @@ def _export(argv: list[str]) -> None:
 
     drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True, dtype=torch.float32)
     if args.draft_vocab_size is not None:
-        from .training.distilled import load_distilled, reply_vocabulary
+        from .training.data import load_distilled, reply_vocabulary
 
         vocabulary = reply_vocabulary(load_distilled(args.draft_vocab_data), args.draft_vocab_size) \
             if args.draft_vocab_size else None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .assistants import load_drafter
+from .shipped_models import load_drafter
 from .generation import generate
 from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .prompts import chat_prompt_ids, load_prompts

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .assistants import load_drafter
+from .shipped_models import load_drafter
 from .batching import cut_after_eos, eos_token_ids
 from .generation import SuffixIndex, generate
 from .prompts import (

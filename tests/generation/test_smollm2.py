@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_specformer import OracleProposer, SpecFormerConfig, SpecFormerForDrafting, generate
-from hf_specformer.assistants import load_drafter
+from hf_specformer.shipped_models import load_drafter
 from hf_specformer.bench_measures import chat_batches
 from hf_specformer.prompts import load_prompts
 from hf_specformer.targets import load_target, load_tokenizer

@@ -15,7 +15,7 @@ from hf_specformer.batching import cut_after_eos
 from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.records import append_records, read_records
 from hf_specformer.training.distill import distill
-from hf_specformer.training.distilled import load_distilled
+from hf_specformer.training.data import load_distilled
 
 MAX_NEW_TOKENS = 8
 

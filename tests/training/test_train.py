@@ -31,7 +31,7 @@ from training_helpers import (  # single_thread: autouse, for every test here
 )
 
 from hf_specformer.models import SpecFormerForDrafting
-from hf_specformer.training.distilled import collate, load_distilled, reply_vocabulary
+from hf_specformer.training.data import collate, load_distilled, reply_vocabulary
 from hf_specformer.training.evaluation import acceptance_steps, evaluate_kappa
 from hf_specformer.training.losses import (
     IGNORE_INDEX,

@@ -41,7 +41,7 @@ from hf_specformer.generation.acceptance import (
     sv_features,
 )
 from hf_specformer.targets import DEFAULT_TARGET, load_target
-from hf_specformer.training.distilled import load_distilled
+from hf_specformer.training.data import load_distilled
 from hf_specformer.training.target_states import next_token_ids, reply_positions, target_hidden_states, tokens_after
 
 logger = logging.getLogger(__name__)

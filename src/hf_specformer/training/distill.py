@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `hf-specformer distill`: loads prompts and target, then runs `distill`."""
-    from hf_specformer.assistants import load_drafter
+    from hf_specformer.shipped_models import load_drafter
     from hf_specformer.targets import target_from_args
 
     args = parse_args(argv)

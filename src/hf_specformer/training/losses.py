@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_specformer.models.specformer import SpecFormerForDrafting
-from hf_specformer.training.distilled import Batch
+from hf_specformer.training.data import Batch
 
 IGNORE_INDEX = -100
 """Label of positions without a target token (cross-entropy skips them)."""

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_specformer.models.specformer import SpecFormerForDrafting
-from hf_specformer.training.distilled import Batch
+from hf_specformer.training.data import Batch
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from hf_specformer.models import CompanionConfig, CompanionForVerification
 from hf_specformer.targets import DEFAULT_TARGET, load_target
 from hf_specformer.training.checkpointing import TrainerState, list_checkpoints, restore_checkpoint, save_checkpoint
-from hf_specformer.training.distilled import load_distilled, split_train_eval
+from hf_specformer.training.data import load_distilled, split_train_eval
 from hf_specformer.training.target_states import reply_positions, target_hidden_states, tokens_after
 from hf_specformer.training.checkpointing import StopOnSignal
 from hf_specformer.training.optimization import warmup_cosine

@@ -17,7 +17,7 @@ Runs resume exactly: data order is a seeded shuffle per epoch, positions are dra
 temporary folder and renamed into place. SIGTERM or Ctrl-C (a preempted job, `timeout`) lets the current optimiser
 step finish, writes a checkpoint and returns, so `--resume` loses nothing.
 
-The parts live beside this file: `config.py` (the options), `distilled.py` (data, split, batches),
+The parts live beside this file: `config.py` (the options), `data.py` (data, split, batches),
 `losses.py` (labels, losses, intra-batch accumulation), `target_states.py` (the frozen target's states and the
 next-token rule), `evaluation.py` (kappa), `checkpointing.py`; here: the drafter, the optimiser, the schedule and
 the loop.
@@ -61,7 +61,7 @@ from hf_specformer.training.checkpointing import (
     write_atomically,
 )
 from hf_specformer.training.config import DrafterTrainingConfig
-from hf_specformer.training.distilled import (
+from hf_specformer.training.data import (
     Batch,
     collate,
     epoch_batches,
