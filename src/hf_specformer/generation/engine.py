@@ -288,7 +288,7 @@ def _decode(
     mask = model_kwargs.get("attention_mask")
     admissions = Admissions(
         [input_ids.shape[1]] * input_ids.shape[0] if mask is None else mask.sum(-1).tolist(),  # one host read
-        speculation.slots(input_ids.shape[0], 0),
+        speculation.max_batch_size,  # the call's slots, resolved by `speculative_decode`
     )
     cache = PreallocatedCache.like(given, model.config.get_text_config().num_hidden_layers, capacity)
     batch = RaggedBatch.start(input_ids, mask, max_new_tokens + k + 1, pad_token_id(generation_config))

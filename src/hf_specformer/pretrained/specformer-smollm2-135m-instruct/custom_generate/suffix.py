@@ -26,7 +26,6 @@ Bundled into `custom_generate/`: torch only.
 
 from __future__ import annotations
 
-
 from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
