@@ -55,12 +55,11 @@ class TokenSelector:
 
     Args:
         do_sample: sample rather than take the argmax.
-        seeds: `[B0]` one seed per row of the call (None: torch's generator); needs `do_sample`.
+        seeds: `[B0]` one seed per row of the call (None: torch's generator); needs `do_sample` (`generate` checks
+            the seeds).
     """
 
     def __init__(self, do_sample: bool, seeds: torch.LongTensor | None = None):
-        if seeds is not None and not do_sample:
-            raise ValueError("Sampling seeds need do_sample=True (greedy decoding draws nothing).")
         self.do_sample = do_sample
         self.seeds = seeds
 
