@@ -48,6 +48,12 @@ def vocabulary_coverage(run: Path, size: int = 8192) -> dict[str, float]:
             for name, vocabulary in vocabularies.items()}
 
 
+def prompts_by_category(run: Path) -> dict[str, int]:
+    """How many of the run's synthesized prompts each category kept."""
+    lines = (run / "prompts.jsonl").read_text().splitlines()
+    return dict(Counter(json.loads(line)["category"] for line in lines).most_common())
+
+
 def mtbench(path: Path) -> dict[str, float]:
     """MT-bench over all categories, k = 3: teacher-forced and live kappa, live slot-1 acceptance, kappa with lookup."""
     everything = json.loads(path.read_text())["groups"]["all"]
@@ -65,7 +71,7 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     kappas = held_out(Path(args.run))
-    report = {"held_out_kappa_by_k": kappas, "held_out_vocabulary_coverage": vocabulary_coverage(Path(args.run)),
+    report = {"prompts_by_category": prompts_by_category(Path(args.run)), "held_out_kappa_by_k": kappas, "held_out_vocabulary_coverage": vocabulary_coverage(Path(args.run)),
               "mtbench": {name: mtbench(Path(path)) for name, path in (item.split("=", 1) for item in args.mtbench)}}
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
