@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from hf_specformer.shipped_models import shipped_drafter_dir
 from hf_specformer.training.data import load_distilled, reply_vocabulary
 
-FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)"}
+FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)",
+              "lora": "LoRA r = 16, lr 2e-3, 1 epoch, hard labels"}
 
 
 def held_out(run: Path) -> dict[str, list[float]]:
