@@ -19,7 +19,11 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from hf_specformer.shipped_models import shipped_drafter_dir
-from hf_specformer.training.data import load_distilled, reply_vocabulary
+from hf_specformer.training.data import (
+    load_distilled,
+    reply_token_counts,
+    reply_vocabulary,
+)
 
 FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)",
               "lora": "LoRA r = 16, lr 2e-3, 1 epoch, hard labels"}
@@ -36,9 +40,7 @@ def held_out(run: Path) -> dict[str, list[float]]:
 def vocabulary_coverage(run: Path, size: int = 8192) -> dict[str, float]:
     """Share of the held-out answers' reply tokens inside the shipped draft vocabulary, and inside the `size` most
     frequent reply tokens of the run's training answers."""
-    held_out, held_out_replies = load_distilled(run / "distill_heldout"), Counter()
-    for ids, prompt_length in zip(held_out["input_ids"], held_out["prompt_length"]):
-        held_out_replies.update(ids[prompt_length:])
+    held_out_replies = reply_token_counts(load_distilled(run / "distill_heldout"))
     vocabularies = {
         "shipped draft vocabulary": set(load_file(Path(shipped_drafter_dir()) / "model.safetensors")[
             "draft_vocab_ids"].tolist()),

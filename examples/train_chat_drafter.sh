@@ -45,14 +45,9 @@ train soft --soft-label-weight 1.0 &
 wait
 # A third change, alone on both threads: a LoRA adapter (rank 16) at a learning rate 7x higher, one epoch.
 train lora --lora --epochs 1 --learning-rate 2e-3 --min-learning-rate 1e-4 --num-threads 0
-python - "$OUT" <<'PY'
-import json, sys
-for name in ("hard", "soft", "lora"):
-    report = json.load(open(f"{sys.argv[1]}/{name}/eval.json"))
-    print(f"{name}: held-out kappa at k = 3 {report['kappa'][2]:.3f} (shipped drafter {report['initial']['kappa'][2]:.3f})")
-PY
 BEST=${BEST:-soft}
 hf-specformer export --drafter "$OUT/$BEST/drafter" --output "$OUT/drafter" --eval "$OUT/$BEST/eval.json" \
     --num-speculative-tokens 3
 hf-specformer calibrate --data "$OUT/distill_heldout" --drafter "$OUT/drafter" --write --output "$OUT/calibration.json"
-hf-specformer eval-drafter --drafter "$OUT/drafter" --with-lookup --with-suffix --output "$OUT/mtbench_eval"
+hf-specformer eval-drafter --drafter "$OUT/drafter" --limit-per-group 5 --with-lookup --output "$OUT/mtbench_eval"
+python examples/chat_finetune_ablation.py --run "$OUT" --mtbench "$BEST=$OUT/mtbench_eval.json" --output "$OUT/ablation"

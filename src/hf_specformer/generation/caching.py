@@ -22,11 +22,17 @@ def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int
     return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
 
 
+def kv_heads(config) -> tuple[int, int]:
+    """(key/value heads, head dim) of an attention layer with `config`: `num_key_value_heads`, else
+    `num_attention_heads`; `head_dim`, else hidden / heads."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_bytes_per_column(config, num_layers: int, dtype: torch.dtype) -> int:
     """Bytes one row's cache column takes in `num_layers` attention layers of a model with `config`: a key and a
-    value per key/value head (`num_key_value_heads`, else `num_attention_heads`; `head_dim`, else hidden / heads)."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    value per key/value head (`kv_heads`)."""
+    heads, head_dim = kv_heads(config)
     return num_layers * 2 * heads * head_dim * dtype.itemsize
 
 

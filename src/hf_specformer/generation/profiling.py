@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .caching import PreallocatedCache
+from .caching import PreallocatedCache, kv_heads
 from .drafting import Proposer
 from .forwards import LoopLayers, target_forward
 from .costs import PROFILE_CONTEXT, StepCostModel, cached_step_costs, profile_step_costs, step_costs_path
@@ -23,8 +23,8 @@ def _synchronize(device: torch.device) -> None:
 def _random_cache(config, batch_size: int, length: int, capacity: int, dtype, device) -> PreallocatedCache:
     """A `PreallocatedCache` of `length` random key/value columns per row in every layer (for timing only)."""
     config = config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (batch_size, getattr(config, "num_key_value_heads", config.num_attention_heads), length, head_dim)
+    heads, head_dim = kv_heads(config)
+    shape = (batch_size, heads, length, head_dim)
     cache = PreallocatedCache(config.num_hidden_layers, capacity)
     for layer in range(config.num_hidden_layers):
         cache.update(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device),

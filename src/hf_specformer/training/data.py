@@ -46,12 +46,18 @@ def _load_saved(path: Path) -> Dataset:
     return loaded["train"] if isinstance(loaded, DatasetDict) else loaded
 
 
-def reply_vocabulary(dataset: Dataset, size: int) -> list[int]:
-    """The `size` most frequent reply tokens (after `prompt_length`) of `dataset`, most frequent first, ties by id;
-    all of them when fewer distinct tokens occur."""
+def reply_token_counts(dataset: Dataset) -> Counter:
+    """How often each token occurs in the replies (after `prompt_length`) of `dataset`."""
     counts = Counter()
     for ids, prompt_length in zip(dataset["input_ids"], dataset["prompt_length"]):
         counts.update(ids[prompt_length:])
+    return counts
+
+
+def reply_vocabulary(dataset: Dataset, size: int) -> list[int]:
+    """The `size` most frequent reply tokens (after `prompt_length`) of `dataset`, most frequent first, ties by id;
+    all of them when fewer distinct tokens occur."""
+    counts = reply_token_counts(dataset)
     return sorted(counts, key=lambda token: (-counts[token], token))[:size]
 
 
