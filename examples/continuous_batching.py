@@ -5,7 +5,7 @@
 
 Prompts: MT-bench first turns (taken round-robin over its categories) alternating with the project's own prompts
 (`distill_prompts.jsonl`, shuffled, at most `--max-prompt-tokens` in the chat template), both from `../shared/data`,
-else the package's; `--prompt-set mtbench` takes MT-bench alone. Natural EOS. Modes, on the same prompts:
+else the package's, then the project's own alone once MT-bench's are used; `--prompt-set mtbench` takes MT-bench alone. Natural EOS. Modes, on the same prompts:
 - `static plain`: transformers' `generate`, batches of B prompts in order, each lasting as long as its slowest row;
 - `transformers generate_batch`: transformers' continuous batching (paged cache), at most B requests per step;
 - `static speculative`: `hf_specformer.generate` over the same batches (goodput scheduler, lookup on);
@@ -68,14 +68,16 @@ def transformers_continuous(target, prompts: list[list[int]], batch_size: int, e
 
 
 def mixed_prompts(tokenizer, count: int, prompt_set: str, max_prompt_tokens: int) -> list[list[int]]:
-    """Chat-template ids of `count` prompts: MT-bench first turns alone, or alternating with the project's own."""
+    """Chat-template ids of `count` prompts: MT-bench first turns alone, or alternating with the project's own (then
+    the project's own alone once MT-bench's 80 are used)."""
     mtbench = load_prompts(find_shared_data("spec_bench_mtbench.jsonl"), interleave_field="category")
     if prompt_set == "mtbench":
         return [chat_prompt_ids(tokenizer, text) for text in mtbench[:count]]
     own = (chat_prompt_ids(tokenizer, text)
            for text in load_prompts(find_shared_data("distill_prompts.jsonl"), shuffle_seed=7))
     own = [ids for ids in own if len(ids) <= max_prompt_tokens]
-    mixed = [ids for pair in zip((chat_prompt_ids(tokenizer, text) for text in mtbench), own) for ids in pair]
+    mtbench = [chat_prompt_ids(tokenizer, text) for text in mtbench]
+    mixed = [ids for pair in zip(mtbench, own) for ids in pair] + own[len(mtbench):]
     if len(mixed) < count:
         raise ValueError(f"{len(mixed)} mixed prompts available, {count} asked for")
     return mixed[:count]
