@@ -67,6 +67,18 @@ def test_goodput_chooses_a_plain_step_when_drafts_do_not_pay_and_full_width_when
 
 
 @pytest.mark.parametrize("packed", [False, True])
+def test_without_verification_costs_each_row_verifies_one_draft_and_that_step_prices_every_width(packed):
+    schedule = GoodputSchedule(None, 3, packed=packed)
+    schedule.observe([(("step", 8, 0, [0, 0, 8], False, None), [1.0, 0.0])])  # the call's first step: plain, 1 s
+    schedule.stepped(False)
+    cumulative = torch.tensor([[0.9, 0.8, 0.7]] * 6 + [[0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert schedule.choose(cumulative).tolist() == [1] * 7 + [0]  # not all three: the cheapest step that measures
+    schedule.observe([(("step", 8, 1, [7, 7, 8], True, True), [1.7, 0.2])])
+    assert schedule.costs.verify_known
+    assert schedule.costs.verify(8, 8 + 14) == pytest.approx(1.0 + 2 * 0.7)  # 14 drafts: twice the 7 timed
+
+
+@pytest.mark.parametrize("packed", [False, True])
 def test_rows_without_drafts_verify_none(packed):
     confident = [0.99, 0.98, 0.97]
     cumulative = torch.tensor([confident] * 4 + [[0.0, 0.0, 0.0], [0.99, 0.0, 0.0]])  # row 4: no draft at all

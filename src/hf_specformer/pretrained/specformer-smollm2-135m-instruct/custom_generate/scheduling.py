@@ -210,8 +210,9 @@ class GoodputSchedule:
         """cumulative `[B, k]` on the host (q_{b,j}, 0 where a row has no draft) -> drafts each row verifies `[B]`
         (0..k), on the host. Steps whose drafts came from the drafter (`drafted`) update the running mean E_w that
         `should_draft` reads; lookup-only steps do not (they say nothing of what drafting would bring). A due plain
-        step verifies nothing; while the costs of verifying are unknown, every draft is verified (the step measures
-        them)."""
+        step verifies nothing; while the costs of verifying are unknown, each row verifies its first draft: the
+        cheapest step that measures them (`feedback.OnlineStepCosts` prices every width from one timed step), where
+        verifying all k cost a first call at B = 32 two plain steps' worth of time on the CPU testbed."""
         batch_size = cumulative.shape[0]
         cumulative = cumulative.double()
         if drafted:
@@ -220,7 +221,7 @@ class GoodputSchedule:
         if self.plain_step_due():
             counts = torch.zeros(batch_size, dtype=torch.long)
         elif not self.costs.verify_known:
-            counts = (cumulative > 0).sum(1)
+            counts = (cumulative[:, :1] > 0).sum(1)
         else:
             scaled = (cumulative * self.acceptance.factor).clamp(max=1.0) if self.feedback else cumulative
             counts = self._choose_packed(scaled) if self.packed else self._choose_width(scaled)
