@@ -5,7 +5,8 @@
         --output bench/smollm2_cpu_chat_finetune_ablation
 
 Reads each fine-tune's `eval.json` (teacher-forced kappa at k = 1..8 on the run's held-out answers, the shipped
-drafter's as "initial"), counts how much of the held-out answers each draft vocabulary covers, and reads `eval-drafter` reports on MT-bench (k = 3: teacher-forced, live, live with lookup).
+drafter's as "initial"), counts how much of the held-out answers each draft vocabulary covers, and reads
+`eval-drafter` reports on MT-bench (k = 3: teacher-forced, live, live with lookup).
 Writes OUTPUT.json and OUTPUT.png (held-out kappa by k per drafter).
 """
 
@@ -16,14 +17,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from safetensors.torch import load_file
-
+from hf_specformer import SpecFormerForDrafting
 from hf_specformer.shipped_models import shipped_drafter_dir
-from hf_specformer.training.data import (
-    load_distilled,
-    reply_token_counts,
-    reply_vocabulary,
-)
+from hf_specformer.training.data import load_distilled, reply_token_counts, reply_vocabulary
 
 FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)",
               "lora": "LoRA r = 16, lr 2e-3, 1 epoch, hard labels"}
@@ -42,8 +38,8 @@ def vocabulary_coverage(run: Path, size: int = 8192) -> dict[str, float]:
     frequent reply tokens of the run's training answers."""
     held_out_replies = reply_token_counts(load_distilled(run / "distill_heldout"))
     vocabularies = {
-        "shipped draft vocabulary": set(load_file(Path(shipped_drafter_dir()) / "model.safetensors")[
-            "draft_vocab_ids"].tolist()),
+        "shipped draft vocabulary": set(SpecFormerForDrafting.from_pretrained(shipped_drafter_dir())
+                                        .draft_vocab_ids.tolist()),
         f"recounted on the chat answers ({size})": set(reply_vocabulary(load_distilled(run / "distill_train"), size)),
     }
     total = sum(held_out_replies.values())
@@ -74,7 +70,8 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     kappas = held_out(Path(args.run))
-    report = {"prompts_by_category": prompts_by_category(Path(args.run)), "held_out_kappa_by_k": kappas, "held_out_vocabulary_coverage": vocabulary_coverage(Path(args.run)),
+    report = {"prompts_by_category": prompts_by_category(Path(args.run)), "held_out_kappa_by_k": kappas,
+              "held_out_vocabulary_coverage": vocabulary_coverage(Path(args.run)),
               "mtbench": {name: mtbench(Path(path)) for name, path in (item.split("=", 1) for item in args.mtbench)}}
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@
 
 Prompts: MT-bench first turns (taken round-robin over its categories) alternating with the project's own prompts
 (`distill_prompts.jsonl`, shuffled, at most `--max-prompt-tokens` in the chat template), both from `../shared/data`,
-else the package's, then the project's own alone once MT-bench's are used; `--prompt-set mtbench` takes MT-bench alone. Natural EOS. Modes, on the same prompts:
+else the package's, then the project's own alone once MT-bench's are used; `--prompt-set mtbench` takes MT-bench
+alone. Natural EOS. Modes, on the same prompts:
 - `static plain`: transformers' `generate`, batches of B prompts in order, each lasting as long as its slowest row;
 - `transformers generate_batch`: transformers' continuous batching (paged cache), at most B requests per step;
 - `static speculative`: `hf_specformer.generate` over the same batches (goodput scheduler, lookup on);
