@@ -123,10 +123,7 @@ def test_online_costs_correct_a_wrong_profile_and_fit_a_line_without_one():
         cold.observe_plain(rows, 3.0 + 0.5 * rows)
     assert cold.plain(32) == pytest.approx(19.0, rel=0.05)  # a + b x once sizes differ
     cold.observe_verify(8, 32, cold.plain(8) + 6.0)  # verifying 24 drafts cost 6 s more than a plain step
-    assert cold.verify(8, 16) == pytest.approx(cold.plain(8) + 6.0, rel=1e-3)  # 8 drafts: never less
-    assert cold.verify(8, 56) == pytest.approx(cold.plain(8) + 12.0, rel=1e-3)  # 48 drafts: in proportion
-    cold.observe_verify(8, 16, cold.plain(8) + 4.0)  # a second width: a + b x (here 3 s + 1/8 s per draft)
-    assert cold.verify(8, 24) == pytest.approx(cold.plain(8) + 5.0, rel=0.05)
+    assert cold.verify(8, 16) == pytest.approx(cold.plain(8) + 2.0, rel=1e-3)  # 8 drafts: a third of that
 
 
 def test_handoff_once_the_deficit_exceeds_its_bound_with_doubling_backoff():
@@ -167,32 +164,6 @@ def test_handoff_deficit_is_floored_so_gains_do_not_buy_later_losses_and_small_l
     padding_only = HandOff(costs)
     padding_only.observe(8, 0, 0, 100.0)  # no live rows: nothing to weigh
     assert padding_only.deficit == 0.0
-
-
-def _observe_step(schedule, width: int, proposed: bool, drafting, seconds: float = 8.0) -> None:
-    """One step of 8 rows, none finished, nothing accepted, run and timed (`StepClock.read`'s labels)."""
-    schedule.stepped(proposed)
-    schedule.observe([(("step", 8, width, [8 * width, 0, 8], proposed, drafting), [seconds, 0.0])])
-
-
-@pytest.mark.parametrize("expected, hands_off", [(0.1, True), (3.0, False)])
-def test_a_step_that_verifies_nothing_hands_off_at_once_when_drafting_does_not_pay(expected, hands_off):
-    """Costs known (a profile: verifying a draft per row costs 1.5 plain steps, drafting 0.1): with 0.1 accepted
-    drafts per row expected, a step that proposed and verified nothing hands off without waiting for the guard's
-    deficit; with 3 expected (drafting pays) it does not. When the back-off is over, the next proposal drafts (a
-    probe), and the one after it does not."""
-    profile = StepCostModel([1, 8], [[1.0, 1.5, 2.0, 2.5], [8.0, 12.0, 16.0, 20.0]], [0.1, 0.8])
-    schedule = scheduling.GoodputSchedule(profile, 3, expected_accepted=[0.0, expected])
-    _observe_step(schedule, 0, proposed=False, drafting=True)  # a plain step, then drafting
-    _observe_step(schedule, 0, proposed=True, drafting=False)  # proposals, none verified
-    assert schedule.handoff.active == hands_off and schedule.handoff.deficit == 0.0
-    if not hands_off:
-        return
-    assert schedule.handoff.handoffs == 1 and schedule.plain_step_due()
-    for _ in range(HANDOFF_BACKOFF):
-        _observe_step(schedule, 0, proposed=False, drafting=None)
-    assert not schedule.plain_step_due()
-    assert [schedule.should_draft(8) for _ in range(2)] == [True, False]
 
 
 class ConfidentWrongOracle(OracleProposer):

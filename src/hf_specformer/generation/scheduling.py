@@ -39,9 +39,7 @@ Choices where the paper is silent or does not fit this engine:
   per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t_plain(B). Otherwise the
   drafter defers its work (`Proposer.propose(..., draft=False)`); prompt lookup still proposes, at no cost. After
   `PROBE_INTERVAL` steps without drafting it drafts once, so E_w follows the text; with cost feedback the interval
-  doubles after each probe that finds drafting still does not pay (up to `MAX_PROBE_BACKOFF`), and the first step
-  after a hand-off (`feedback.HandOff`) drafts. A step that proposed drafts but verified none, when drafting does not
-  pay either, hands off at once (`observe`).
+  doubles after each probe that finds drafting still does not pay (up to `MAX_PROBE_BACKOFF`).
 - Both predictions (`should_draft`, `speculation_pays`) rate every row verifying w drafts, also for packed steps,
   whose per-row choice does at least as well: they err toward plain steps, the side that cannot lose.
 """
@@ -316,19 +314,7 @@ class GoodputSchedule:
                 self.costs.observe_plain(batch_size, verify_seconds + (draft_seconds if drafting is None else 0.0))
                 if self.handoff.active:
                     self.handoff.plain_step()
-                    if not self.handoff.active:  # the back-off is over: the next proposal is a drafting probe
-                        self.steps_without_drafting = self.probe_interval * self.probe_backoff
             if drafting:
                 self.costs.observe_draft(batch_size, draft_seconds)
             if proposed or drafting is not None:
                 self.handoff.observe(batch_size, num_live, num_live + accepted, verify_seconds, draft_seconds)
-            if proposed and not width and self._nothing_pays(batch_size):
-                self.handoff.hand_off()
-
-    def _nothing_pays(self, batch_size: int) -> bool:
-        """After a step that proposed drafts and verified none of them: whether the call should hand off now rather
-        than when the guard's deficit says so (`feedback.py`), because by the call's own costs and acceptance drafting
-        does not pay at this batch size either (`_drafting_pays`, the test without `speculation_pays`' margin, whose
-        start-up costs are spent by now)."""
-        known = self.expected is not None and self.costs.known
-        return known and not self.handoff.active and not self._drafting_pays(batch_size)

@@ -12,9 +12,8 @@ GPU, never a blocking synchronisation) and `OnlineStepCosts` keeps three costs f
 Each is the profile's value (`costs.StepCostModel`, where one is cached) times a running ratio of measured to
 predicted seconds, or, with no profile, a line a + b x fitted to the timings: x = B for plain steps and drafting; for
 verification, the seconds beyond a plain step of the same rows against x = T - B, the inputs beyond one per row (so
-one timed step already prices every width, and a narrower step is never taken for less than that step cost). A call
-without a profile writes what it learnt as one (`StepCostModel.learnt`), so the next call can decide before it
-starts. A step that
+one timed step already prices every width, and a narrow step is never taken for free). A call without a profile
+writes what it learnt as one (`StepCostModel.learnt`), so the next call can decide before it starts. A step that
 verifies nothing is a plain step of `transformers`' own forward, since the drafter defers its work
 (`drafting.py`), so t_plain is measured in the loop itself: the engine runs a plain step first, and again whenever
 `PLAIN_REFRESH_STEPS` steps have passed without one.
@@ -25,14 +24,9 @@ tokens committed, B rows, L of them still generating), to a deficit floored at z
 proposing for the next step are added after the test, so drafting is weighed with the step that reaps it. When the
 deficit exceeds `HANDOFF_LOSS` plain steps, the call hands off: nothing is proposed for the next `HANDOFF_BACKOFF` x
 2^(n - 1) steps (the n-th hand-off), which are then plain steps of `transformers`' own forward, and the deficit
-restarts. The scheduler also hands off on its own prediction, without waiting for the deficit
-(`GoodputSchedule.observe`): after a step that proposed but verified nothing, once the call's own costs and acceptance
-say that drafting does not pay at this batch size (the test by which a later call on the same costs decodes plainly
-from the start). When a hand-off ends, the next proposing step drafts (a probe), so a spell of speculation after a
-back-off costs one drafted step where nothing pays. Bound: each spell of speculation loses at most `HANDOFF_LOSS`
-plain steps plus one step's excess (its proposing included) before it is stopped, and the back-off doubles, so a call
-of N steps in which speculation never gains loses at most (HANDOFF_LOSS + one step's excess) x
-(1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
+restarts. Bound: each spell of speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its
+proposing included) before it is stopped, and the back-off doubles, so a call of N steps in which speculation never
+gains loses at most (HANDOFF_LOSS + one step's excess) x (1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
 """
 
 from __future__ import annotations
@@ -110,11 +104,8 @@ class StepClock:
 class _Cost:
     """One cost: `prior(key)` times the running ratio measured / prior (the first timing sets it: a profile gives the
     shape across batch sizes and widths, this machine now the scale), or without a prior a line a + b x fitted by
-    decayed least squares. While a single x has been seen: with `proportional`, the seconds seen for every x up to
-    it and in proportion above it, both upper bounds of a cost that grows with x along a line with an intercept of
-    zero or more (a step verifying a few drafts costs a fixed part too: attention over two inputs per row, the
-    companion's scoring); else a constant (rows below the ridge point cost about the same; for more rows the guess
-    underrates the cost)."""
+    decayed least squares. While a single x has been seen: a line through the origin (`proportional`), else a
+    constant (rows below the ridge point cost about the same; for more rows the guess underrates the cost)."""
 
     def __init__(self, prior: Callable | None, proportional: bool = False):
         self.prior = prior
@@ -143,7 +134,7 @@ class _Cost:
         mean_x, mean_y = sx / n, sy / n
         variance = sxx / n - mean_x**2
         if variance <= 1e-6 * mean_x**2:
-            return mean_y * max(x, mean_x) / mean_x if self.proportional else mean_y
+            return mean_y * x / mean_x if self.proportional else mean_y
         slope = max((sxy / n - mean_x * mean_y) / variance, 0.0)
         intercept = mean_y - slope * mean_x
         if intercept < 0:
@@ -263,12 +254,8 @@ class HandOff:
         plain = self.costs.plain(batch_size)
         self.deficit = max(self.deficit + seconds - (1 + HANDOFF_MARGIN) * plain * committed / num_live, 0.0)
         if self.deficit > self.loss * plain:
-            self.hand_off()
+            self.plain_steps_left = self.backoff * 2**self.handoffs
+            self.handoffs += 1
+            self.deficit = 0.0
         else:
             self.deficit += proposing_seconds
-
-    def hand_off(self) -> None:
-        """Plain steps for the next `backoff` x 2^(n - 1) steps (the n-th hand-off); the deficit restarts."""
-        self.plain_steps_left = self.backoff * 2**self.handoffs
-        self.handoffs += 1
-        self.deficit = 0.0
