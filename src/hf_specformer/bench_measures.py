@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from .generation.forwards import LoopLayers, cache_argument, target_forward
+from .models.specformer import SpecFormerConfig
 from .targets import synchronize, timed
 from .ties import classify_rows
 
@@ -56,6 +57,7 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
     target(input_ids=context, attention_mask=attention_mask, **cache_argument(target, cache), logits_to_keep=1)
     lengths = attention_mask.sum(-1, keepdim=True)
     layers = LoopLayers(target, [target])
+    hooked = frozenset(SpecFormerConfig.from_target_config(target.config).hook_layers)
     times = {1: [], k + 1: []}
     for _ in range(repeats):
         for num_tokens in times:
@@ -69,7 +71,7 @@ def forward_cost_limit(target, context: torch.LongTensor, attention_mask: torch.
                        **cache_argument(target, cache))
             else:
                 with layers.installed(), layers.speedups():
-                    target_forward(target, ids, mask, positions, cache, output_hidden_states=True, logits_to_keep=0)
+                    target_forward(target, ids, mask, positions, cache, hooked, logits_to_keep=0)
             synchronize(context.device)
             times[num_tokens].append(time.perf_counter() - start)
             cache.crop(-num_tokens)

@@ -13,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
 from hf_specformer.generation.batch import padded_batch_size
-from hf_specformer.generation.forwards import LoopLayers, cache_argument, target_forward
+from hf_specformer.generation.forwards import LoopLayers, cache_argument, recorded_hidden_states, target_forward
 from hf_specformer.training.target_states import next_token_ids
 
 # name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
@@ -226,26 +226,42 @@ def tiny_gemma2() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2"])
-def test_target_forward_gives_the_models_own_logits_and_states(kind):
+@pytest.mark.parametrize("recorded", ["all", "ends", "middle", "none"])
+def test_target_forward_gives_the_models_own_logits_and_states(kind, recorded):
     """The loop's target forward, with the few-row CPU products switched on, returns what the model's own forward
-    returns; Gemma2 still soft-caps its logits."""
+    returns: its logits, and its `output_hidden_states` at the indices recorded (None at the others; Gemma2 scales
+    its embeddings before the first layer, which is what index 0 holds); Gemma2 still soft-caps its logits."""
     target = tiny_gemma2() if kind == "gemma2" else make_target(kind)
+    num_layers = target.config.num_hidden_layers
+    indices = {"all": range(num_layers + 1), "ends": {0, num_layers}, "middle": {1}, "none": ()}[recorded]
     input_ids, mask = make_batch(2, seed=4, padded=False)  # Gemma2's eager attention gives NaN at padded positions
     engine_cache, model_cache = DynamicCache(), DynamicCache()
     positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     layers = LoopLayers(target, [target])
     with layers.installed(), layers.speedups():
-        engine = target_forward(target, input_ids, mask, positions, engine_cache, output_hidden_states=True,
-                                logits_to_keep=0)
+        engine = target_forward(target, input_ids, mask, positions, engine_cache, frozenset(indices), logits_to_keep=0)
     model = target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                    **cache_argument(target, model_cache),
                    output_hidden_states=True)
     assert not model.logits.isnan().any()
     torch.testing.assert_close(engine.logits, model.logits, rtol=0, atol=1e-10)
-    assert len(engine.hidden_states) == len(model.hidden_states)
-    for ours, theirs in zip(engine.hidden_states, model.hidden_states):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
     assert engine_cache.get_seq_length() == model_cache.get_seq_length() == input_ids.shape[1]
+    if not indices:
+        assert engine.hidden_states is None
+        return
+    assert len(engine.hidden_states) == len(model.hidden_states) == num_layers + 1
+    for index, (ours, theirs) in enumerate(zip(engine.hidden_states, model.hidden_states)):
+        if index in indices:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+        else:
+            assert ours is None
+
+
+def test_recorded_hidden_states_reject_indices_outside_the_target():
+    target = make_target("llama")
+    with pytest.raises(ValueError, match="outside 0"):
+        with recorded_hidden_states(target, {target.config.num_hidden_layers + 1}):
+            pass
 
 
 class RecordingProposer(SpecFormerProposer):

@@ -12,7 +12,8 @@ from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
 from hf_specformer import SpecFormerProposer, generate
 from hf_specformer.generation.costs import StepCostModel, cached_step_costs, profile_step_costs, step_costs_path
 from hf_specformer.generation import costs as costs_module
-from hf_specformer.generation.forwards import LoopLayers
+from hf_specformer.generation import profiling
+from hf_specformer.generation.forwards import LoopLayers, target_forward
 from hf_specformer.generation.profiling import measure_step_costs
 from hf_specformer.generation.scheduling import GoodputSchedule, num_drafts_to_verify
 
@@ -188,25 +189,24 @@ def test_profile_takes_the_median_of_timed_rounds_after_a_warm_up(monkeypatch):
     assert measured.draft_seconds == [pytest.approx(0.001)] and measured.plain_seconds == [pytest.approx(0.0015)]
 
 
-def test_measured_step_costs_time_the_loops_forwards():
+def test_measured_step_costs_time_the_loops_forwards(monkeypatch):
     """The engine's own measurement on a tiny target times what the loop runs: at each batch size a target forward
-    of w + 1 inputs per row for every width, sped up (few-row products on) and with the hidden states the drafter
-    reads, and plain decoding's forward of one input per row without them; every cost is in seconds."""
+    of w + 1 inputs per row for every width, sped up (few-row products on) and recording the hidden states the
+    drafter reads, and plain decoding's forward of one input per row without them; every cost is in seconds."""
     target = make_target("llama")
     drafter = make_drafter(target)
     layers = LoopLayers(target, [target, drafter])
     seen = set()
 
-    def record(module, args, kwargs):
-        seen.add((tuple(kwargs["input_ids"].shape), kwargs["output_hidden_states"], layers.linears.few_rows_on))
+    def recording_forward(model, input_ids, attention_mask, position_ids, cache, hidden_state_indices, *args):
+        seen.add((tuple(input_ids.shape), frozenset(hidden_state_indices), layers.linears.few_rows_on))
+        return target_forward(model, input_ids, attention_mask, position_ids, cache, hidden_state_indices, *args)
 
-    handle = target.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), layers, [1, 4], 3)
-    finally:
-        handle.remove()
-    loop = {((b, w + 1), True, True) for b in (1, 4) for w in range(4)}
-    plain = {((b, 1), False, False) for b in (1, 4)}
+    monkeypatch.setattr(profiling, "target_forward", recording_forward)
+    costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), layers, [1, 4], 3)
+    hooked = frozenset(drafter.config.hook_layers)
+    loop = {((b, w + 1), hooked, True) for b in (1, 4) for w in range(4)}
+    plain = {((b, 1), frozenset(), False) for b in (1, 4)}
     assert seen == loop | plain, seen ^ (loop | plain)
     assert costs.batch_sizes == [1, 4] and len(costs.plain_seconds) == 2 and len(costs.draft_seconds) == 2
     assert all(len(row) == 4 for row in costs.step_seconds)

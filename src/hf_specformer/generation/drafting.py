@@ -100,14 +100,15 @@ class Proposal:
 
 
 class Proposer(ABC):
-    """Base class. Subclasses set `requires_hidden_states` and implement `propose`.
+    """Base class. Subclasses set `hidden_state_indices` and implement `propose`.
 
     Attributes:
         num_draft_tokens: k, drafts per row and step.
-        requires_hidden_states: whether the target forward must return `hidden_states` for `propose`.
+        hidden_state_indices: the entries of the target's `output_hidden_states` tuple that `propose` reads (the
+            target forward records only those, `forwards.recorded_hidden_states`); empty: none.
     """
 
-    requires_hidden_states: bool = False
+    hidden_state_indices: frozenset[int] = frozenset()
 
     def __init__(self, num_draft_tokens: int):
         self.num_draft_tokens = num_draft_tokens
@@ -168,7 +169,8 @@ class Proposer(ABC):
 
         Args:
             batch: state *after* the forward's commit (`batch.attention_mask` is `[B, S + T]`, rejected inputs hidden).
-            hidden_states: the target's `output_hidden_states` (L + 1 tensors `[B, T, d]`), or None if not required.
+            hidden_states: the target's L + 1 hidden states (`[B, T, d]` at `hidden_state_indices`, None elsewhere),
+                or None if not required.
             position_ids: `[B, T]` positions of the T inputs.
             source_index: `[B]` index in 0..T-1 of each row's last accepted input.
             draft: False when the next step is not expected to verify drafts: the network does not draft (free
@@ -196,8 +198,6 @@ class SpecFormerProposer(Proposer):
     follow them in the token sequence where drafts were rejected.
     """
 
-    requires_hidden_states = True
-
     def __init__(self, drafter: torch.nn.Module, num_draft_tokens: int | None = None):
         super().__init__(drafter.config.num_speculative_tokens if num_draft_tokens is None else num_draft_tokens)
         if not 0 <= self.num_draft_tokens <= drafter.config.draft_length:
@@ -206,6 +206,7 @@ class SpecFormerProposer(Proposer):
                 f"draft_length={drafter.config.draft_length}."
             )
         self.drafter = drafter
+        self.hidden_state_indices = frozenset(drafter.config.hook_layers)
         self.cache: Cache = DynamicCache()
         self.deferred: list[tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]] = []
 
@@ -312,7 +313,7 @@ class WrappingProposer(Proposer):
     def __init__(self, proposer: Proposer):
         super().__init__(proposer.num_draft_tokens)
         self.proposer = proposer
-        self.requires_hidden_states = proposer.requires_hidden_states
+        self.hidden_state_indices = proposer.hidden_state_indices
 
     def start(self, capacity: int) -> None:
         self.proposer.start(capacity)

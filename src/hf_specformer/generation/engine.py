@@ -62,6 +62,11 @@ def _source_states(output, index: torch.LongTensor) -> torch.Tensor:
     return last[torch.arange(last.shape[0], device=last.device), index]
 
 
+def _companion_state(model, companion) -> frozenset[int]:
+    """The index of the hidden state a companion reads (the target's last, `_source_states`), if there is one."""
+    return frozenset() if companion is None else frozenset({model.config.get_text_config().num_hidden_layers})
+
+
 def _caches(cache: Cache, proposer: Proposer) -> list[Cache]:
     return [cache, *proposer.caches()]
 
@@ -78,7 +83,7 @@ class _Loop:
     commit: Committer
     layers: LoopLayers
     companion: torch.nn.Module | None
-    needs_hidden_states: bool
+    hidden_state_indices: frozenset[int]  # of the target's hidden states the proposer and companion read
     selector: TokenSelector
     reads: HostReads
     compaction_hole_fraction: float
@@ -105,7 +110,7 @@ def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], row
     position_ids = new.prompt_position_ids()
     with loop.layers.speedups():
         output = target_forward(loop.model, new.prompt_ids(), new.attention_mask, position_ids, cache,
-                                loop.needs_hidden_states, logits_to_keep=1)
+                                loop.hidden_state_indices, logits_to_keep=1)
     new.commit_prompt()
     first = loop.selector(loop.processor(new, output.logits[:, -1:]), new)[:, 0]
     new.finished = loop.commit(new, first[:, None], torch.ones_like(first))
@@ -295,12 +300,12 @@ def _decode(
     stats = proposer.stats = SpecStats(num_draft_tokens=k)
     loop = _Loop(model, given, proposer, scheduler, RaggedLogitsProcessor(logits_processor),
                  Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer), layers,
-                 companion, proposer.requires_hidden_states or companion is not None, selector, HostReads(),
+                 companion, proposer.hidden_state_indices | _companion_state(model, companion), selector, HostReads(),
                  speculation.compaction_hole_fraction, stats, FinishedRows(row_finished))
     proposer.start(capacity)
     caches = _caches(cache, proposer)
     clock = StepClock(input_ids.device)
-    processor, commit, reads, needs_hidden_states = loop.processor, loop.commit, loop.reads, loop.needs_hidden_states
+    processor, commit, reads, hidden_state_indices = loop.processor, loop.commit, loop.reads, loop.hidden_state_indices
     if speculative_streamer is not None:
         speculative_streamer.put(input_ids.cpu())
 
@@ -332,10 +337,10 @@ def _decode(
             verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
             with layers.speedups(), layers.packed(verified, speculation.packed_verification):
                 output = target_forward(
-                    model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, logits_to_keep=0
+                    model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, logits_to_keep=0
                 )
         else:
-            output = target_forward(model, step_ids, attention_mask, position_ids, cache, needs_hidden_states, 0)
+            output = target_forward(model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, 0)
         target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
         if selector.rejection_sampling:
             target_probs = target_scores.softmax(-1)

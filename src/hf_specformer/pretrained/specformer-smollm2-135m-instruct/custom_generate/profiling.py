@@ -42,7 +42,7 @@ def measure_step_costs(
     device, vocab = model.device, model.config.get_text_config().vocab_size
     caches = {}
 
-    def forward(batch_size: int, width: int, hidden_states: bool) -> None:
+    def forward(batch_size: int, width: int, hidden_state_indices: frozenset[int]) -> None:
         if batch_size not in caches:
             caches.clear()
             caches[batch_size] = _random_cache(model.config, batch_size, PROFILE_CONTEXT,
@@ -51,20 +51,20 @@ def measure_step_costs(
         ids = torch.randint(vocab, (batch_size, width + 1), device=device)
         mask = torch.ones(batch_size, PROFILE_CONTEXT + width + 1, dtype=torch.long, device=device)
         positions = PROFILE_CONTEXT + torch.arange(width + 1, device=device).expand(batch_size, -1)
-        output = target_forward(model, ids, mask, positions, cache, hidden_states, 0)
+        output = target_forward(model, ids, mask, positions, cache, hidden_state_indices, 0)
         output.logits.float().argmax(-1)
         cache.crop(-(width + 1))
 
     def step(batch_size: int, width: int) -> None:
         with layers.installed(), layers.speedups():
-            forward(batch_size, width, proposer.requires_hidden_states)
+            forward(batch_size, width, proposer.hidden_state_indices)
 
     def draft(batch_size: int) -> None:
         with layers.installed(), layers.speedups():
             proposer.profile_draft(batch_size)
 
     return profile_step_costs(step, draft, batch_sizes, max_width, lambda: _synchronize(device),
-                              plain=lambda batch_size: forward(batch_size, 0, False))
+                              plain=lambda batch_size: forward(batch_size, 0, frozenset()))
 
 
 def step_cost_description(model, proposer: Proposer, cpu_speedups: bool) -> dict:
