@@ -243,8 +243,8 @@ def _buffer_bytes(cache: PreallocatedCache) -> int:
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_slot_bytes_are_the_bytes_the_caches_allocate_per_row(kind):
     """The target's and the drafter's preallocated caches, filled by real forwards of 3 rows, hold exactly
-    3 x capacity x the bytes per column that `slot_bytes` counts; the rest of a slot is its logits and prefill
-    states."""
+    3 x capacity x the bytes per column that `slot_bytes` counts; the rest of a slot is its logits and the prefill
+    states recorded (the drafter's hooked layers and the last)."""
     target = make_target(kind)
     proposer = SpecFormerProposer(make_drafter(target), num_draft_tokens=3)
     config = target.config.get_text_config()
@@ -259,7 +259,8 @@ def test_slot_bytes_are_the_bytes_the_caches_allocate_per_row(kind):
     target_per_column = kv_bytes_per_column(config, config.num_hidden_layers, target.dtype)
     assert _buffer_bytes(cache) == 3 * capacity * target_per_column
     assert _buffer_bytes(proposer.cache) == 3 * capacity * proposer.cache_bytes_per_column() > 0
-    rest = VOCABULARY_COPIES * 4 * config.vocab_size * 8 + (config.num_hidden_layers + 1) * width * config.hidden_size * 8
+    recorded = set(proposer.drafter.config.hook_layers) | {config.num_hidden_layers}  # the drafter's and the last
+    rest = VOCABULARY_COPIES * 4 * config.vocab_size * 8 + len(recorded) * width * config.hidden_size * 8
     assert slot_bytes(target, proposer, width, max_new_tokens) == \
         capacity * (target_per_column + proposer.cache_bytes_per_column()) + rest
 

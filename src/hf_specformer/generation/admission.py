@@ -34,14 +34,16 @@ logits, the processed scores, probabilities, and the drafts' (a conservative cou
 
 def slot_bytes(model: torch.nn.Module, proposer: Proposer, prompt_width: int, max_new_tokens: int) -> int:
     """Most bytes one slot (a decoding row) takes in a call: its columns of the target's and the proposer's caches
-    (`cache_capacity` of them), `VOCABULARY_COPIES` vocabulary-wide tensors per verified position, and its prefill's
-    hidden states (every layer's, at `prompt_width` positions, which the drafter reads). The model's weights and
-    the call's token ids are not counted: they do not grow with the slots."""
+    (`cache_capacity` of them), `VOCABULARY_COPIES` vocabulary-wide tensors per verified position, and the hidden
+    states its prefill records at `prompt_width` positions (`forwards.recorded_hidden_states`: those the proposer
+    reads, and the last, which a companion reads). The model's weights and the call's token ids are not counted:
+    they do not grow with the slots."""
     config = model.config.get_text_config()
     k, size = proposer.num_draft_tokens, model.dtype.itemsize
     per_column = kv_bytes_per_column(config, config.num_hidden_layers, model.dtype) + proposer.cache_bytes_per_column()
     logits = VOCABULARY_COPIES * (k + 1) * config.vocab_size * size
-    prefill_states = (config.num_hidden_layers + 1) * prompt_width * config.hidden_size * size
+    recorded = proposer.hidden_state_indices | {config.num_hidden_layers}
+    prefill_states = len(recorded) * prompt_width * config.hidden_size * size
     return cache_capacity(prompt_width, max_new_tokens, k) * per_column + logits + prefill_states
 
 

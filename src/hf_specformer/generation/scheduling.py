@@ -31,8 +31,8 @@ Choices where the paper is silent or does not fit this engine:
   transformers' own forward of one token per row without this package's CPU patches or hidden states. Width 0 is
   left out: an engine whose best step verifies nothing can only differ from plain decoding by its CPU patches and
   by the noise of two close measurements, never by speculation. Unless the engine is ahead by `ENGINE_OVERHEAD`
-  (what the step costs do not see: the prefill returns hidden states and the drafter reads the prompt, about 6%
-  of a long padded prefill), `speculation_pays` is False and the call runs transformers' plain decoding loop: no
+  (what the step costs do not see: the prefill records the hidden states the drafter reads, about 2% of a long
+  padded prefill, and the drafter reads the prompt), `speculation_pays` is False and the call runs transformers' plain decoding loop: no
   drafter, no hidden states, what plain `generate` costs. Without calibration it speculates.
 - Drafting itself costs (SpecFormer's slot stage and head, t_d(B)). The drafts of the next step are made before
   their estimates are known, so `should_draft` predicts: it keeps a running mean E_w of expected accepted drafts
