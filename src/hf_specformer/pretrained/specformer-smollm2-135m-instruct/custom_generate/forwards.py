@@ -68,11 +68,11 @@ def recorded_hidden_states(model, indices: Collection[int]):
     norm); None where not recorded.
 
     Why not `output_hidden_states=True`: it keeps all L + 1 states `[B, T, d]` alive through the forward, where the
-    drafter reads 4 and the companion 1. On a long padded prefill that costs a quarter of the forward on the CPU
-    testbed (SmolLM2, MT-bench, B = 32 rows of 243 columns: 31 states of 18 MB; 11.1 s against 8.9 s without, and
-    8.8 s recording 4). transformers' own selection by index (`output_hidden_states=[...]`) counts its indices
-    differently across the versions this package supports, so the hooks here sit on the decoder's layers directly:
-    a forward pre-hook on the first layer, forward hooks on the others and on the decoder."""
+    drafter reads 4 and the companion 1. On a long padded prefill that costs 14% of the forward on the CPU testbed
+    (SmolLM2, MT-bench, B = 32 rows of 243 columns, 31 states of 18 MB: 16.5 s, against 14.5 s recording 5 and
+    14.2 s for the model's own forward). transformers' own selection by index (`output_hidden_states=[...]`) counts
+    its indices differently across the versions this package supports, so the hooks here sit on the decoder's layers
+    directly: a forward pre-hook on the first layer, forward hooks on the others and on the decoder."""
     decoder = model.get_decoder()
     num_layers = model.config.get_text_config().num_hidden_layers
     states: list[torch.Tensor | None] = [None] * (num_layers + 1)

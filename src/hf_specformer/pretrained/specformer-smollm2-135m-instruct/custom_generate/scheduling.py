@@ -32,8 +32,8 @@ Choices where the paper is silent or does not fit this engine:
   left out: an engine whose best step verifies nothing can only differ from plain decoding by its CPU patches and
   by the noise of two close measurements, never by speculation. Unless the engine is ahead by `ENGINE_OVERHEAD`
   (what the step costs do not see: the prefill records the hidden states the drafter reads, about 2% of a long
-  padded prefill, and the drafter reads the prompt), `speculation_pays` is False and the call runs transformers' plain decoding loop: no
-  drafter, no hidden states, what plain `generate` costs. Without calibration it speculates.
+  padded prefill, and the drafter reads the prompt), `speculation_pays` is False and the call runs transformers'
+  plain decoding loop: no drafter, no hidden states, what plain `generate` costs. Without calibration it speculates.
 - Drafting itself costs (SpecFormer's slot stage and head, t_d(B)). The drafts of the next step are made before
   their estimates are known, so `should_draft` predicts: it keeps a running mean E_w of expected accepted drafts
   per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t_plain(B). Otherwise the
