@@ -111,7 +111,8 @@ def compare_at_batch_size(target, tokenizer, drafter, prompts: list[str], k: int
     print(f"speculative generate: {spec_seconds:6.2f} s   speedup {plain_seconds / spec_seconds:.2f}x")
     if stats.plain_decoding:
         print(f"outputs identical: {identical}; the goodput scheduler predicted that no number of drafts pays at "
-              f"batch size {len(prompts)} on this machine, so it ran plain decoding")
+              f"batch size {len(prompts)} on this machine, so it ran plain decoding (with the CPU speed-ups where "
+              f"the target is on the CPU)")
     else:
         print(f"outputs identical: {identical}; tokens per target forward (kappa): {stats.tokens_per_step:.2f}; "
               f"drafts verified per step: {stats.drafts_per_step:.2f} (steps by width: {stats.width_counts}); "

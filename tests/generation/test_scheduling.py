@@ -192,7 +192,8 @@ def test_profile_takes_the_median_of_timed_rounds_after_a_warm_up(monkeypatch):
 def test_measured_step_costs_time_the_loops_forwards(monkeypatch):
     """The engine's own measurement on a tiny target times what the loop runs: at each batch size a target forward
     of w + 1 inputs per row for every width, sped up (few-row products on) and recording the hidden states the
-    drafter reads, and plain decoding's forward of one input per row without them; every cost is in seconds."""
+    drafter reads, and plain decoding's forward of one input per row, sped up as well (`_plain_decode` runs with the
+    CPU speed-ups) and recording nothing; every cost is in seconds."""
     target = make_target("llama")
     drafter = make_drafter(target)
     layers = LoopLayers(target, [target, drafter])
@@ -206,7 +207,7 @@ def test_measured_step_costs_time_the_loops_forwards(monkeypatch):
     costs = measure_step_costs(target, SpecFormerProposer(drafter, 3), layers, [1, 4], 3)
     hooked = frozenset(drafter.config.hook_layers)
     loop = {((b, w + 1), hooked, True) for b in (1, 4) for w in range(4)}
-    plain = {((b, 1), frozenset(), False) for b in (1, 4)}
+    plain = {((b, 1), frozenset(), True) for b in (1, 4)}
     assert seen == loop | plain, seen ^ (loop | plain)
     assert costs.batch_sizes == [1, 4] and len(costs.plain_seconds) == 2 and len(costs.draft_seconds) == 2
     assert all(len(row) == 4 for row in costs.step_seconds)

@@ -231,16 +231,20 @@ def test_sliding_cache_length_follows_compaction():
 
 
 class PatchWitness(StoppingCriteria):
-    """Records the target's attention implementation and whether its layers carry a switched forward, inside its
-    forwards (a pre-hook on its first decoder layer) and, at every stopping-criteria call, between them."""
+    """Records the target's attention implementation, whether its layers carry a switched forward and whether that
+    switch computes few-row products, inside its forwards (a pre-hook on its first decoder layer) and, at every
+    stopping-criteria call, between them."""
 
     def __init__(self, target):
         self.target, self.inside, self.between = target, set(), set()
         target.model.layers[0].register_forward_pre_hook(lambda *args: self.inside.add(self._state()))
 
-    def _state(self) -> tuple[str, bool]:
-        switched = "forward" in self.target.model.layers[0].mlp.up_proj.__dict__
-        return self.target.config._attn_implementation, switched
+    def _state(self) -> tuple[str, bool, bool]:
+        forward = self.target.model.layers[0].mlp.up_proj.__dict__.get("forward")
+        # a `LinearSwitch._forward` partial (switch, layer, inner forward, max rows): few-row products where on and
+        # allowed for this layer (max rows > 0)
+        few_rows = forward is not None and forward.func.__self__.few_rows_on and forward.args[2] > 0
+        return self.target.config._attn_implementation, forward is not None, few_rows
 
     def __call__(self, input_ids, scores, **kwargs):
         self.between.add(self._state())
@@ -262,9 +266,29 @@ def test_cpu_speedups_switch(cpu_speedups):
                       max_new_tokens=10, schedule="fixed", stopping_criteria=StoppingCriteriaList([witness]),
                       cpu_speedups=cpu_speedups)
     assert torch.equal(output, reference)
-    during = {("hf_specformer_gqa_sdpa" if cpu_speedups else "sdpa", True)}
-    assert witness.inside == during and witness.between == during
-    assert witness._state() == ("sdpa", False)
+    attention = "hf_specformer_gqa_sdpa" if cpu_speedups else "sdpa"
+    assert witness.inside == {(attention, True, cpu_speedups)} and witness.between == {(attention, True, False)}
+    assert witness._state() == ("sdpa", False, False)
+
+
+@pytest.mark.parametrize("cpu_speedups", [True, False])
+def test_plain_decoding_runs_with_the_cpu_speedups(cpu_speedups):
+    """A call that decodes plainly (k = 0: transformers' own loop) runs every forward with the CPU speed-ups, as the
+    engine's width-0 steps do (or with none under `cpu_speedups=False`); the model is itself again after it. Same
+    output as plain `generate`."""
+    target = make_target("llama")
+    target.config._attn_implementation = "sdpa"
+    input_ids, mask = make_batch(3, seed=6)
+    witness = PatchWitness(target)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    witness.inside.clear()
+    output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                      num_draft_tokens=0, max_new_tokens=10, stopping_criteria=StoppingCriteriaList([witness]),
+                      cpu_speedups=cpu_speedups)
+    assert torch.equal(output, reference)
+    state = ("hf_specformer_gqa_sdpa", True, True) if cpu_speedups else ("sdpa", True, False)
+    assert witness.inside == {state} and witness.between == {state}
+    assert witness._state() == ("sdpa", False, False)
 
 
 # ----- transformers' argument names ------------------------------------------------------------------------------

@@ -230,7 +230,8 @@ def speculative_decode(
     own_loop = not continuous and seeds is None  # transformers' loop may serve the call
     if proposer.num_draft_tokens == 0 and own_loop:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-                             speculative_streamer, row_finished, model_kwargs)
+                             LoopLayers(model, [model], speculation.cpu_speedups), speculative_streamer, row_finished,
+                             model_kwargs)
     if proposer.num_draft_tokens == 0:  # plain steps in the engine (continuous batching, or seeded rows)
         proposer, companion = NoDrafts(), None
         speculation = dataclasses.replace(speculation, schedule="fixed")
@@ -243,7 +244,7 @@ def speculative_decode(
     scheduler = make_schedule(speculation, proposer.num_draft_tokens, profile, expected)
     if own_loop and not scheduler.speculation_pays(slots):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-                             speculative_streamer, row_finished, model_kwargs)
+                             layers, speculative_streamer, row_finished, model_kwargs)
     with layers.installed():
         output = _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
@@ -255,17 +256,21 @@ def speculative_decode(
 
 
 def _plain_decode(
-    model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer, row_finished,
-    model_kwargs,
+    model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, layers, streamer,
+    row_finished, model_kwargs,
 ):
-    """transformers' own decoding loop (`GenerationMixin._sample`), with no layer switched: what
-    a call runs with k = 0, or when the goodput scheduler predicts that no width pays at its batch size."""
+    """transformers' own decoding loop (`GenerationMixin._sample`) with `layers`' CPU speed-ups on, as the engine's
+    plain (width-0) steps run: what a call runs with k = 0, or when the goodput scheduler predicts that no width pays
+    at its batch size. On the CPU testbed the few-row products make each step of this loop 10-40% cheaper than plain
+    `generate`'s at B = 4..32 (README, How it works); elsewhere, or with `cpu_speedups=False`, it is plain `generate`'s
+    computation."""
     stats = proposer.stats = SpecStats(num_draft_tokens=proposer.num_draft_tokens, plain_decoding=True)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    output = GenerationMixin._sample(
-        model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
-    )
+    with layers.installed(), layers.speedups():
+        output = GenerationMixin._sample(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
+        )
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats.steps = stats.width_counts[0] = sequences.shape[1] - input_ids.shape[1]
     stats.row_steps = stats.steps * input_ids.shape[0]
@@ -280,9 +285,9 @@ def _decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
     speculation, scheduler, estimator, companion, layers, profile, row_finished, seeds, model_kwargs,
 ):
-    """The body of `speculative_decode`: prefill, then verification steps until every row has finished. A step that
-    verifies nothing runs with the layers switched off (the model's own computation) and the proposer defers its
-    work, so it costs what a plain decoding step does; every step is timed for the schedule (`feedback.py`)."""
+    """The body of `speculative_decode`: prefill, then verification steps until every row has finished. Every step
+    runs with the CPU speed-ups; a step that verifies nothing feeds one input per row and the proposer defers its
+    work, so it costs what a step of `_plain_decode` does; every step is timed for the schedule (`feedback.py`)."""
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
     if not isinstance(given, DynamicCache) or given.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
@@ -333,14 +338,11 @@ def _decode(
         draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
         attention_mask, position_ids = batch.step_inputs(width + 1)
-        if width:
-            verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
-            with layers.speedups(), layers.packed(verified, speculation.packed_verification):
-                output = target_forward(
-                    model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, logits_to_keep=0
-                )
-        else:
-            output = target_forward(model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, 0)
+        verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
+        with layers.speedups(), layers.packed(verified, speculation.packed_verification):
+            output = target_forward(
+                model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, logits_to_keep=0
+            )
         target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
         if selector.rejection_sampling:
             target_probs = target_scores.softmax(-1)

@@ -15,6 +15,11 @@ from .costs import PROFILE_CONTEXT, StepCostModel, cached_step_costs, profile_st
 from .scheduling import GoodputSchedule, Schedule
 
 
+STEP_COSTS_SCHEME = 2
+"""Changed whenever the forwards whose costs are cached change (2: plain steps run with the CPU speed-ups), so that
+costs cached under an older scheme are learnt anew rather than read."""
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -38,7 +43,8 @@ def measure_step_costs(
     """Times, over a cache of `PROFILE_CONTEXT` random columns at each batch size: the loop's target forward of
     w + 1 inputs per row (w = 0..max_width, with the hidden states the proposer reads and the float32 argmax of its
     logits) with `layers` installed and sped up (the loop's CPU speed-ups); the proposer's drafting, likewise; and
-    plain decoding's forward of one input per row, without them (what `_plain_decode` runs)."""
+    plain decoding's forward of one input per row with the same speed-ups and no hidden states (what `_plain_decode`
+    runs)."""
     device, vocab = model.device, model.config.get_text_config().vocab_size
     caches = {}
 
@@ -63,8 +69,11 @@ def measure_step_costs(
         with layers.installed(), layers.speedups():
             proposer.profile_draft(batch_size)
 
-    return profile_step_costs(step, draft, batch_sizes, max_width, lambda: _synchronize(device),
-                              plain=lambda batch_size: forward(batch_size, 0, frozenset()))
+    def plain(batch_size: int) -> None:
+        with layers.installed(), layers.speedups():
+            forward(batch_size, 0, frozenset())
+
+    return profile_step_costs(step, draft, batch_sizes, max_width, lambda: _synchronize(device), plain=plain)
 
 
 def step_cost_description(model, proposer: Proposer, cpu_speedups: bool) -> dict:
@@ -81,6 +90,7 @@ def step_cost_description(model, proposer: Proposer, cpu_speedups: bool) -> dict
         "proposer": proposer.cost_description(),
         "context": PROFILE_CONTEXT,
         "cpu_speedups": cpu_speedups,
+        "scheme": STEP_COSTS_SCHEME,
     }
 
 

@@ -27,13 +27,14 @@ Choices where the paper is silent or does not fit this engine:
   drafts up to w* (fewer where it has fewer).
 - Per call (SGLang's per-batch-size choice, from measurements rather than fixed buckets): the engine's best
   predicted rate with drafts, max_{w >= 1} B (1 + E_w) / (t(B, w) + t_d(B)) from the calibrated expected gains E_w
-  (`AcceptanceTable.expected_accepted`), is compared with plain decoding's B / t_plain(B), where t_plain is
-  transformers' own forward of one token per row without this package's CPU patches or hidden states. Width 0 is
-  left out: an engine whose best step verifies nothing can only differ from plain decoding by its CPU patches and
-  by the noise of two close measurements, never by speculation. Unless the engine is ahead by `ENGINE_OVERHEAD`
-  (what the step costs do not see: the prefill records the hidden states the drafter reads, about 2% of a long
-  padded prefill, and the drafter reads the prompt), `speculation_pays` is False and the call runs transformers'
-  plain decoding loop: no drafter, no hidden states, what plain `generate` costs. Without calibration it speculates.
+  (`AcceptanceTable.expected_accepted`), is compared with plain decoding's B / t_plain(B), where t_plain is a
+  forward of one token per row with the CPU speed-ups and no hidden states, what the engine's width-0 steps and
+  `_plain_decode` both run. Width 0 is left out: an engine whose best step verifies nothing can only differ from
+  plain decoding by its own KV cache and by the noise of two close measurements, never by speculation. Unless the
+  engine is ahead by `ENGINE_OVERHEAD` (what the step costs do not see: the prefill records the hidden states the
+  drafter reads, about 2% of a long padded prefill, and the drafter reads the prompt), `speculation_pays` is False
+  and the call runs transformers' plain decoding loop (`_plain_decode`: no drafter, no hidden states, the CPU
+  speed-ups on). Without calibration it speculates.
 - Drafting itself costs (SpecFormer's slot stage and head, t_d(B)). The drafts of the next step are made before
   their estimates are known, so `should_draft` predicts: it keeps a running mean E_w of expected accepted drafts
   per row at each width, and drafts when max_w B (1 + E_w) / (t(B, w) + t_d(B)) beats B / t_plain(B). Otherwise the

@@ -19,7 +19,7 @@ class LoopLayers:
     CPU, packed verification) and, on the CPU, the target's attention (`attention.GroupedQueryAttention`).
 
     `installed()` puts them in place once per call; `speedups()` and `packed(selected)` switch them around single
-    forwards. Switched off (a plain width-0 step), every layer computes what the model's own forward does.
+    forwards. Switched off, every layer computes what the model's own forward does.
 
     Args:
         model: the target.
