@@ -251,24 +251,30 @@ class PatchWitness(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@pytest.mark.parametrize("cpu_speedups", [True, False])
-def test_cpu_speedups_switch(cpu_speedups):
-    """The loop's layers are switched for the length of the call (grouped-query attention on, or off with
-    `cpu_speedups=False`; the linear layers switched for packing either way), and the model is itself again after
-    it. Same output."""
+def witnessed_call(seed: int, **generate_kwargs) -> PatchWitness:
+    """A speculative call on a tiny sdpa Llama, watched by a `PatchWitness`; asserts it equals plain `generate` and
+    leaves the model as it was."""
     target = make_target("llama")
     target.config._attn_implementation = "sdpa"
-    input_ids, mask = make_batch(3, seed=5)
+    input_ids, mask = make_batch(3, seed=seed)
     witness = PatchWitness(target)
     reference = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     witness.inside.clear()
     output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
-                      max_new_tokens=10, schedule="fixed", stopping_criteria=StoppingCriteriaList([witness]),
-                      cpu_speedups=cpu_speedups)
+                      max_new_tokens=10, stopping_criteria=StoppingCriteriaList([witness]), **generate_kwargs)
     assert torch.equal(output, reference)
+    assert witness._state() == ("sdpa", False, False)
+    return witness
+
+
+@pytest.mark.parametrize("cpu_speedups", [True, False])
+def test_cpu_speedups_switch(cpu_speedups):
+    """The loop's layers are switched for the length of the call (grouped-query attention on, or off with
+    `cpu_speedups=False`; the linear layers switched for packing either way, few-row products around each forward),
+    and the model is itself again after it. Same output."""
+    witness = witnessed_call(5, schedule="fixed", cpu_speedups=cpu_speedups)
     attention = "hf_specformer_gqa_sdpa" if cpu_speedups else "sdpa"
     assert witness.inside == {(attention, True, cpu_speedups)} and witness.between == {(attention, True, False)}
-    assert witness._state() == ("sdpa", False, False)
 
 
 @pytest.mark.parametrize("cpu_speedups", [True, False])
@@ -276,19 +282,9 @@ def test_plain_decoding_runs_with_the_cpu_speedups(cpu_speedups):
     """A call that decodes plainly (k = 0: transformers' own loop) runs every forward with the CPU speed-ups, as the
     engine's width-0 steps do (or with none under `cpu_speedups=False`); the model is itself again after it. Same
     output as plain `generate`."""
-    target = make_target("llama")
-    target.config._attn_implementation = "sdpa"
-    input_ids, mask = make_batch(3, seed=6)
-    witness = PatchWitness(target)
-    reference = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    witness.inside.clear()
-    output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
-                      num_draft_tokens=0, max_new_tokens=10, stopping_criteria=StoppingCriteriaList([witness]),
-                      cpu_speedups=cpu_speedups)
-    assert torch.equal(output, reference)
+    witness = witnessed_call(6, num_draft_tokens=0, cpu_speedups=cpu_speedups)
     state = ("hf_specformer_gqa_sdpa", True, True) if cpu_speedups else ("sdpa", True, False)
     assert witness.inside == {state} and witness.between == {state}
-    assert witness._state() == ("sdpa", False, False)
 
 
 # ----- transformers' argument names ------------------------------------------------------------------------------
