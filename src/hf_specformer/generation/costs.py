@@ -40,8 +40,8 @@ class StepCostModel:
         batch_sizes: measured batch sizes, increasing.
         step_seconds: `[len(batch_sizes)][max_width + 1]` t(B, w).
         draft_seconds: `[len(batch_sizes)]` t_d(B).
-        plain_seconds: `[len(batch_sizes)]` t_plain(B), a plain decoding step (transformers' forward without the
-            engine's CPU patches or hidden states); None: taken as t(B, 0).
+        plain_seconds: `[len(batch_sizes)]` t_plain(B), a plain decoding step (one input per row, with the CPU
+            speed-ups and no hidden states, as `_plain_decode` runs it); None: taken as t(B, 0).
         description: what was measured (model, dtype, device, threads), for people reading the cache file.
     """
 

@@ -15,17 +15,18 @@ verification, the seconds beyond a plain step of the same rows against x = T - B
 one timed step already prices every width, and a narrow step is never taken for free). A call without a profile
 writes what it learnt as one (`StepCostModel.learnt`), so the next call can decide before it starts. A step that
 verifies nothing is a plain step (one input per row, with the CPU speed-ups, as `_plain_decode` runs it), since the
-drafter defers its work (`drafting.py`), so t_plain is measured in the loop itself: the engine runs a plain step first, and again whenever
-`PLAIN_REFRESH_STEPS` steps have passed without one.
+drafter defers its work (`drafting.py`), so t_plain is measured in the loop itself: the engine runs a plain step
+first, and again whenever `PLAIN_REFRESH_STEPS` steps have passed without one.
 
 The guard (`HandOff`), a one-sided CUSUM test. Every step that proposed or verified anything adds its seconds minus
 (1 + `HANDOFF_MARGIN`) times what plain steps would have taken for the tokens it committed, t_plain(B) c / L (c:
 tokens committed, B rows, L of them still generating), to a deficit floored at zero; the seconds it then spent
 proposing for the next step are added after the test, so drafting is weighed with the step that reaps it. When the
 deficit exceeds `HANDOFF_LOSS` plain steps, the call hands off: nothing is proposed for the next `HANDOFF_BACKOFF` x
-2^(n - 1) steps (the n-th hand-off), which are then plain steps, and the deficit restarts. Bound: each spell of speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its
-proposing included) before it is stopped, and the back-off doubles, so a call of N steps in which speculation never
-gains loses at most (HANDOFF_LOSS + one step's excess) x (1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
+2^(n - 1) steps (the n-th hand-off), which are then plain steps, and the deficit restarts. Bound: each spell of
+speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its proposing included) before it is
+stopped, and the back-off doubles, so a call of N steps in which speculation never gains loses at most
+(HANDOFF_LOSS + one step's excess) x (1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
 """
 
 from __future__ import annotations
