@@ -22,12 +22,15 @@ from hf_specformer.shipped_models import shipped_drafter_dir
 from hf_specformer.training.data import load_distilled, reply_token_counts, reply_vocabulary
 
 FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)",
-              "lora": "LoRA r = 16, lr 2e-3, 1 epoch, hard labels"}
+              "lora": "LoRA r = 16, lr 2e-3, 1 epoch, hard labels",
+              "vocab3": "draft-vocabulary loss, slots 1-3, every position, hard labels"}
 
 
 def held_out(run: Path) -> dict[str, list[float]]:
-    """Teacher-forced kappa at k = 1..8 on the run's held-out answers: the shipped drafter, then each fine-tune."""
-    reports = {name: json.loads((run / name / "eval.json").read_text()) for name in FINE_TUNES}
+    """Teacher-forced kappa at k = 1..8 on the run's held-out answers: the shipped drafter, then each fine-tune the
+    run holds."""
+    reports = {name: json.loads((run / name / "eval.json").read_text()) for name in FINE_TUNES
+               if (run / name / "eval.json").exists()}
     kappas = {"shipped drafter": next(iter(reports.values()))["initial"]["kappa"]}
     kappas.update({FINE_TUNES[name]: report["kappa"] for name, report in reports.items()})
     return kappas

@@ -35,6 +35,7 @@ from hf_specformer.training.data import collate, load_distilled, reply_vocabular
 from hf_specformer.training.evaluation import acceptance_steps, evaluate_kappa
 from hf_specformer.training.losses import (
     IGNORE_INDEX,
+    draft_vocab_labels,
     intra_batch_backward,
     sample_positions,
     slot_labels,
@@ -77,6 +78,10 @@ def test_config_rejects_inconsistent_values(tmp_path):
         make_config(tmp_path, eval_fraction=1.0)
     with pytest.raises(ValueError, match="epochs"):
         make_config(tmp_path, max_steps=None, epochs=0)
+    with pytest.raises(ValueError, match="loss_slots"):
+        make_config(tmp_path, draft_length=4, loss_slots=5)
+    with pytest.raises(ValueError, match="draft_vocab_loss"):
+        make_config(tmp_path, draft_vocab_loss=True)
 
 
 def test_labels_are_future_reply_tokens():
@@ -165,6 +170,53 @@ def test_intra_batch_backward_matches_plain_loss(target_kind, feature_weight, nu
     assert all(p.grad is None for p in target.parameters())
 
 
+
+def test_intra_batch_backward_on_the_draft_vocabulary_and_the_first_slots(target_kind):
+    """`draft_vocab_loss` against the loss written out: the whole vocabulary's logits cut to the draft vocabulary's
+    columns, labels outside it skipped, soft labels from the target's forward cut the same way; on the first 2 of 4
+    slots (as `loss_slots` trains them: all 4 attend, 2 continue)."""
+    target = make_target(target_kind)
+    drafter = make_drafter(target, draft_length=4).train()
+    batch = collate(repetitive_dataset(3)[:3], max_length=64)
+    hooked = drafter.select_hooked_states(target_hidden_states(target, batch.input_ids, batch.attention_mask))
+    positions, mask = sample_positions(batch.lengths.tolist(), batch.prompt_lengths.tolist(), 6, random.Random(0))
+    labels = slot_labels(batch, positions, mask, num_slots=2)
+    vocab = torch.tensor([CYCLE[3], 40, CYCLE[0], 7, CYCLE[5], CYCLE[1]])  # 4 of CYCLE's 7 reply tokens
+    drafter.set_draft_vocab(vocab)
+    all_states = target_hidden_states(target, batch.input_ids, batch.attention_mask)
+    features = future_states(all_states[-1], positions, num_slots=2)
+
+    def slot_states():
+        return drafter(hooked, attention_mask=batch.attention_mask, use_cache=False, draft_positions=positions,
+                       num_draft_tokens=2, return_logits=False).slot_hidden_states
+
+    losses = intra_batch_backward(drafter, slot_states(), labels, feature_targets=features, soft_label_weight=0.5,
+                                  draft_vocab_loss=True)
+    intra_grads = {name: parameter.grad.clone() for name, parameter in drafter.named_parameters()}
+    drafter.zero_grad()
+
+    logits = drafter.compute_logits(slot_states())[..., vocab]  # [B, P, l_d, V_d]
+    column = {int(token): i for i, token in enumerate(vocab)}
+    mapped = labels.clone().apply_(lambda token: column.get(token, IGNORE_INDEX))
+    assert (mapped != IGNORE_INDEX).sum() < (labels != IGNORE_INDEX).sum()  # some labels fall outside
+    target_logits = target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., vocab]
+    plain = []
+    for j in range(2):
+        ce = F.cross_entropy(logits[:, :, j].flatten(0, 1), mapped[:, :, j].flatten())
+        kl = torch.stack([F.kl_div(logits[b, p, j].log_softmax(-1),
+                                   target_logits[b, positions[b, p] + 1 + j].log_softmax(-1),
+                                   log_target=True, reduction="sum")
+                          for b in range(3) for p in range(positions.shape[1]) if mapped[b, p, j] != IGNORE_INDEX])
+        plain.append(ce + 0.5 * kl.mean())
+    torch.stack(plain).mean().backward()
+
+    assert len(losses.cross_entropy) == 2
+    assert losses.total == pytest.approx(torch.stack(plain).mean().item(), rel=1e-9)
+    for name, parameter in drafter.named_parameters():
+        assert torch.allclose(intra_grads[name], parameter.grad, rtol=1e-9, atol=1e-12), name
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        draft_vocab_labels(labels, None)
+
 def test_target_state_cache_matches_the_batched_forward(target_kind):
     target = make_target(target_kind)
     drafter = make_drafter(target, draft_length=4)
@@ -205,6 +257,18 @@ def test_training_lowers_the_loss_and_exports(tmp_path):
     assert evaluation["step"] == 30 and len(evaluation["kappa"]) == 4
     assert all(1.0 <= kappa <= k + 1 for k, kappa in enumerate(evaluation["kappa"], start=1))
     assert evaluation["kappa"] == sorted(evaluation["kappa"])  # trained on a predictable reply: grows with k
+
+
+def test_training_on_the_draft_vocabulary_and_the_first_slots(tmp_path):
+    """`draft_vocab_loss` with `draft_vocab_size`: the vocabulary is counted before training and the losses score
+    it alone; `loss_slots=2` logs and trains 2 of the 4 slots, and the loss still falls."""
+    output_dir = tmp_path / "run"
+    result = train(make_config(output_dir, draft_vocab_size=50, draft_vocab_loss=True, loss_slots=2),
+                   target=learnable_target(), dataset=repetitive_dataset())
+    assert sorted(result.drafter.draft_vocab_ids.tolist()) == CYCLE
+    records = [record for record in read_metrics(output_dir) if "loss" in record]
+    assert all(len(record["slot_losses"]) == 2 for record in records)
+    assert sum(r["loss"] for r in records[-3:]) / 3 < 0.8 * records[0]["loss"]
 
 
 def test_init_from_a_plain_drafter_adds_the_next_token_input_at_its_own_learning_rate(tmp_path):

@@ -17,7 +17,7 @@ class DrafterTrainingConfig:
             progress) or a folder written by `Dataset.save_to_disk`, with `input_ids` and `prompt_length`.
         output_dir: where checkpoints, `metrics.jsonl`, `eval.json` and the exported `drafter/` go.
         target: the frozen target (`smollm2`, a local folder, a `.gguf` file or a Hub name), loaded in float32.
-        draft_length: l_d, the number of draft slots trained (all of them, equal weights).
+        draft_length: l_d, the number of draft slots (all trained with equal weights, unless `loss_slots`).
         next_token_input: build the drafter with `SpecFormerConfig.next_token_input` (position t also reads x_{t+1};
             an extension, not in the paper). With `init_from` a drafter without it gains it, starting at zero.
         epochs: passes over the training split; ignored when `max_steps` is set.
@@ -50,9 +50,19 @@ class DrafterTrainingConfig:
         cache_target_states: keep each training sequence's target states (4 hooked + the last hidden state) in
             memory after its first forward, so later epochs skip the target. Costs about T * 5 * d * 4 bytes of RAM
             per sequence (1.5 GB for 1000 sequences of 170 tokens with d = 576).
-        draft_vocab_size: before the final evaluation and export, restrict drafting to the N most frequent reply
-            tokens of the training split (`SpecFormerForDrafting.set_draft_vocab`): the draft head then reads N rows
-            of the lm_head instead of V. Training always scores the whole vocabulary. 0: no restriction.
+        draft_vocab_size: restrict drafting to the N most frequent reply tokens of the training split
+            (`SpecFormerForDrafting.set_draft_vocab`): the draft head then reads N rows of the lm_head instead of V.
+            Set before the final evaluation and export, or before training with `draft_vocab_loss`. 0: no
+            restriction (a drafter from `init_from` keeps its own).
+        draft_vocab_loss: the cross-entropy and the soft labels score only the draft vocabulary's V_d columns (as
+            EAGLE-3 and FR-Spec train), labels outside it skipped: those are the only tokens the drafter can draft,
+            and the head, which dominates a CPU step, costs V_d / V as much (1/6 with 8,192 of SmolLM2's 49,152), so
+            every position can get the cross-entropy. Needs a draft vocabulary: `init_from`'s, or
+            `draft_vocab_size`'s, counted before training. Off: the whole vocabulary is scored.
+        loss_slots: train only the first N of the l_d slots (0: all of them, equal weights, the paper's recipe).
+            All l_d slots still enter the slots' attention, so the others serve as context; only the first N go on
+            to the SwiGLU and the losses (a CPU step's head and slot MLP cost N / l_d as much). Drafting k <= N
+            tokens loses nothing; drafts past slot N come from slots this run did not train.
         eval_fraction: share of the sequences held out (seeded shuffle) to measure the accepted length kappa.
         eval_every: evaluate every this many optimiser steps (0: only at the end).
         save_every: checkpoint every this many optimiser steps (0: never).
@@ -111,6 +121,10 @@ class DrafterTrainingConfig:
     draft_vocab_size: int = field(
         default=0, metadata={"help": "Draft only the N most frequent reply tokens of the training data (0: all)."}
     )
+    draft_vocab_loss: bool = field(
+        default=False, metadata={"help": "Score only the draft vocabulary in the losses (labels outside it skipped)."}
+    )
+    loss_slots: int = field(default=0, metadata={"help": "Losses on the first N slots only (0: all l_d)."})
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of sequences held out for evaluation."})
     eval_every: int = field(default=500, metadata={"help": "Evaluate every N optimiser steps (0: at the end)."})
     save_every: int = field(default=500, metadata={"help": "Checkpoint every N optimiser steps (0: never)."})
@@ -139,7 +153,7 @@ class DrafterTrainingConfig:
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps",
                     "new_parameter_learning_rate_scale", "lora_rank", "lora_alpha")
         non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "ce_positions_per_sequence",
-                        "feature_loss_weight", "soft_label_weight", "draft_vocab_size", "eval_every", "save_every", "num_threads",
+                        "feature_loss_weight", "soft_label_weight", "draft_vocab_size", "loss_slots", "eval_every", "save_every", "num_threads",
                         "min_learning_rate")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -167,5 +181,10 @@ class DrafterTrainingConfig:
                              "with full training (`init_from` without `lora`).")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"`lora_dropout` must be in [0, 1), got {self.lora_dropout}.")
+        if self.loss_slots > self.draft_length:
+            raise ValueError(f"`loss_slots` ({self.loss_slots}) must not exceed `draft_length` ({self.draft_length}).")
+        if self.draft_vocab_loss and not (self.init_from or self.draft_vocab_size):
+            raise ValueError("`draft_vocab_loss` needs a draft vocabulary: set `draft_vocab_size`, or `init_from` a "
+                             "drafter that has one.")
         if self.max_length < 3:
             raise ValueError(f"`max_length` must be >= 3 (a position and the token two ahead), got {self.max_length}.")

@@ -48,6 +48,18 @@ def slot_labels(batch: Batch, positions: torch.Tensor, mask: torch.Tensor, num_s
     return tokens.masked_fill(~(inside & mask[..., None]), IGNORE_INDEX)
 
 
+def draft_vocab_labels(labels: torch.Tensor, draft_vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """Labels `[...]` as columns of the draft vocabulary `draft_vocab_ids` `[V_d]` (what `draft_vocab_logits`
+    scores): token `draft_vocab_ids[i]` becomes i; tokens outside it, which the drafter can never draft, become
+    -100 (skipped). Raises `ValueError` without a draft vocabulary."""
+    if draft_vocab_ids is None:
+        raise ValueError("Scoring the draft vocabulary needs one: `set_draft_vocab` (or `draft_vocab_size`).")
+    column = torch.full((int(draft_vocab_ids.max()) + 1,), IGNORE_INDEX, dtype=torch.long, device=labels.device)
+    column[draft_vocab_ids.to(labels.device)] = torch.arange(draft_vocab_ids.numel(), device=labels.device)
+    inside = (labels >= 0) & (labels < column.numel())
+    return torch.where(inside, column[labels.clamp(0, column.numel() - 1)], IGNORE_INDEX)
+
+
 def slot_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (in float32 at least) of logits `[..., V]` against labels `[...]` over the labels != -100
     (0 if there are none)."""
@@ -96,6 +108,7 @@ def intra_batch_backward(
     feature_weight: float = 0.0,
     num_ce_positions: int = 0,
     soft_label_weight: float = 0.0,
+    draft_vocab_loss: bool = False,
 ) -> SlotLosses:
     """Backward of `mean_j (CE_j + w_f * feature_j + w_s * soft_j)`, one slot's vocabulary-sized logits at a time
     (paper sec. 3).
@@ -113,6 +126,9 @@ def intra_batch_backward(
             (0: all).
         soft_label_weight: w_s, the weight of `slot_soft_label_loss` against the target's distribution, the lm_head
             of `feature_targets` (see `DrafterTrainingConfig.soft_label_weight`).
+        draft_vocab_loss: score the drafter's draft vocabulary alone (`draft_vocab_logits`, V_d columns) for the
+            cross-entropy and the soft labels; labels outside it are skipped (see
+            `DrafterTrainingConfig.draft_vocab_loss`).
 
     The gradients equal those of the plain loss computed from all `[B, P, l_d, V]` logits at once, while only
     `[B, P, V]` logits live at a time.
@@ -120,20 +136,23 @@ def intra_batch_backward(
     num_slots = slot_hidden.shape[2]
     ce_columns = slice(0, num_ce_positions or None)
     detached = slot_hidden.detach().requires_grad_()
+    scores = drafter.draft_vocab_logits if draft_vocab_loss else drafter.compute_logits
+    head = drafter.draft_head() if draft_vocab_loss else drafter.head_logits
+    ce_labels = draft_vocab_labels(labels, drafter.draft_vocab_ids) if draft_vocab_loss else labels
     cross_entropy, feature, soft = [], [], []
     for slot in range(num_slots):
-        states, slot_targets = detached[:, :, slot], labels[:, :, slot]
-        logits = drafter.compute_logits(states[:, ce_columns])
+        states, slot_targets = detached[:, :, slot], ce_labels[:, :, slot]
+        logits = scores(states[:, ce_columns])
         loss = slot_cross_entropy(logits, slot_targets[:, ce_columns])
         cross_entropy.append(loss.detach())
         if soft_label_weight > 0:
             with torch.no_grad():
-                target_logits = drafter.head_logits(feature_targets[:, ce_columns, slot])
+                target_logits = head(feature_targets[:, ce_columns, slot].to(logits.dtype))
             soft_loss = slot_soft_label_loss(logits, target_logits, slot_targets[:, ce_columns])
             soft.append(soft_loss.detach())
             loss = loss + soft_label_weight * soft_loss
         if feature_weight > 0:
-            feature_loss = slot_feature_loss(drafter.normalize(states), feature_targets[:, :, slot], slot_targets)
+            feature_loss = slot_feature_loss(drafter.normalize(states), feature_targets[:, :, slot], labels[:, :, slot])
             feature.append(feature_loss.detach())
             loss = loss + feature_weight * feature_loss
         (loss / num_slots).backward()

@@ -126,6 +126,17 @@ def build_drafter(
     return drafter.train(), frozenset(loading["missing_keys"])
 
 
+def scored_vocabulary(drafter: SpecFormerForDrafting | PeftModel, train_set: Dataset,
+                      config: DrafterTrainingConfig) -> None:
+    """With `draft_vocab_loss`: the draft vocabulary the losses score, set before training: `draft_vocab_size`
+    tokens counted on the training split, else the `init_from` drafter's own (a `ValueError` if it has none)."""
+    if config.draft_vocab_size:
+        drafter.set_draft_vocab(reply_vocabulary(train_set, config.draft_vocab_size))
+    elif drafter.draft_vocab_ids is None:
+        raise ValueError(f"`draft_vocab_loss`: the drafter in {config.init_from} has no draft vocabulary; set "
+                         "`draft_vocab_size`.")
+
+
 def total_optimizer_steps(config: DrafterTrainingConfig, batches_per_epoch: int) -> int:
     """`max_steps`, else the optimiser steps of `epochs` passes (at least 1)."""
     if config.max_steps is not None:
@@ -161,17 +172,19 @@ def train_micro_batch(
         positions, mask = sample_positions(batch.lengths.tolist(), batch.prompt_lengths.tolist(),
                                            config.positions_per_sequence, rng)
         positions, mask = positions.to(accelerator.device), mask.to(accelerator.device)
+        num_slots = config.loss_slots or config.draft_length  # all l_d slots attend; these continue to the losses
         output = drafter(hooked, attention_mask=batch.attention_mask, use_cache=False, draft_positions=positions,
-                         num_draft_tokens=config.draft_length, return_logits=False,
+                         num_draft_tokens=num_slots, return_logits=False,
                          next_token_ids=next_token_ids(batch.input_ids))
-        labels = slot_labels(batch, positions, mask, config.draft_length)
+        labels = slot_labels(batch, positions, mask, num_slots)
         needs_states = config.feature_loss_weight > 0 or config.soft_label_weight > 0
-        features = future_states(last, positions, config.draft_length) if needs_states else None
+        features = future_states(last, positions, num_slots) if needs_states else None
         return intra_batch_backward(
             unwrapped, output.slot_hidden_states, labels,
             backward=lambda tensor, gradient: accelerator.backward(tensor, gradient=gradient),
             feature_targets=features, feature_weight=config.feature_loss_weight,
             num_ce_positions=config.ce_positions_per_sequence, soft_label_weight=config.soft_label_weight,
+            draft_vocab_loss=config.draft_vocab_loss,
         )
 
 
@@ -253,6 +266,8 @@ def train(
     total_steps = total_optimizer_steps(config, batches_per_epoch)
 
     drafter, new_parameters = build_drafter(target, config)
+    if config.draft_vocab_loss:
+        scored_vocabulary(drafter, train_set, config)
     optimizer = build_optimizer(drafter, config, new_parameters)
     schedule = warmup_cosine(total_steps, config.warmup_ratio, config.min_learning_rate / config.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -306,7 +321,7 @@ def train(
         logger.warning("stopped at step %d of %d; continue with --resume", state.step, total_steps)
         return TrainingResult(accelerator.unwrap_model(drafter), optimizer, state, evaluation={}, completed=False)
 
-    if config.draft_vocab_size:
+    if config.draft_vocab_size and not config.draft_vocab_loss:
         accelerator.unwrap_model(drafter).set_draft_vocab(reply_vocabulary(train_set, config.draft_vocab_size))
     evaluation = run_evaluation(accelerator, target, drafter, eval_set, config, state, metrics_path)
     unwrapped = export_trained(accelerator, accelerator.unwrap_model(drafter), output_dir, config)

@@ -448,9 +448,14 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         the lm_head (`draft_head`), every other token at -inf."""
         if self.draft_vocab_ids is None:
             return self.compute_logits(slot_hidden_states)
-        normalized = self.normalize(slot_hidden_states)
-        logits = normalized.new_full((*normalized.shape[:-1], self.config.vocab_size), float("-inf"))
-        return logits.index_copy_(logits.ndim - 1, self.draft_vocab_ids, self.draft_head()(normalized))
+        scores = self.draft_vocab_logits(slot_hidden_states)
+        logits = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(logits.ndim - 1, self.draft_vocab_ids, scores)
+
+    def draft_vocab_logits(self, slot_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of the draft vocabulary alone: `[..., d]` -> `[..., V_d]` (column i scores `draft_vocab_ids[i]`;
+        the whole `[..., V]` without a draft vocabulary), the target's final norm then `draft_head`."""
+        return self.draft_head()(self.normalize(slot_hidden_states))
 
     def set_draft_vocab(self, token_ids: Sequence[int] | torch.Tensor | None) -> "SpecFormerForDrafting":
         """Restricts drafting to `token_ids` (saved with the weights; sets `config.draft_vocab_size`), or lifts the
