@@ -23,7 +23,8 @@ from hf_specformer.training.data import load_distilled, reply_token_counts, repl
 
 FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)",
               "lora": "LoRA r = 16, lr 2e-3, 1 epoch, hard labels",
-              "vocab3": "draft-vocabulary loss, slots 1-3, every position, hard labels"}
+              "vocab3": "draft-vocabulary loss, slots 1-3, every position, hard labels",
+              "vocab3soft": "draft-vocabulary loss, slots 1-3, every position, hard + soft labels (weight 1)"}
 
 
 def held_out(run: Path) -> dict[str, list[float]]:
