@@ -4,6 +4,7 @@ and a two-process `accelerate launch` run. Tiny random targets (float64 in proce
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -82,6 +83,8 @@ def test_config_rejects_inconsistent_values(tmp_path):
         make_config(tmp_path, draft_length=4, loss_slots=5)
     with pytest.raises(ValueError, match="draft_vocab_loss"):
         make_config(tmp_path, draft_vocab_loss=True)
+    with pytest.raises(ValueError, match="eval_data"):
+        make_config(tmp_path, eval_data=str(tmp_path / "heldout"))  # beside the default split of `data`
 
 
 def test_labels_are_future_reply_tokens():
@@ -269,6 +272,18 @@ def test_training_on_the_draft_vocabulary_and_the_first_slots(tmp_path):
     records = [record for record in read_metrics(output_dir) if "loss" in record]
     assert all(len(record["slot_losses"]) == 2 for record in records)
     assert sum(r["loss"] for r in records[-3:]) / 3 < 0.8 * records[0]["loss"]
+
+
+def test_eval_data_replaces_the_held_out_split(tmp_path, caplog):
+    """`eval_data`: every usable row of the training data is trained on, and the kappa is measured on the other
+    folder's usable rows, the same ones a run that holds them out of a larger set would measure."""
+    heldout = repetitive_dataset(seed=1).select(range(3)).add_item({"input_ids": [1, 2], "prompt_length": 2})
+    heldout.save_to_disk(str(tmp_path / "heldout"))  # its last row has no reply: not usable
+    with caplog.at_level(logging.INFO, logger="hf_specformer.training.train_drafter"):
+        result = train(make_config(tmp_path / "run", eval_data=str(tmp_path / "heldout"), eval_fraction=0.0,
+                                   max_steps=2), target=learnable_target(), dataset=repetitive_dataset())
+    assert "16 train / 3 held-out sequences" in caplog.text
+    assert result.evaluation["num_sequences"] == 3
 
 
 def test_init_from_a_plain_drafter_adds_the_next_token_input_at_its_own_learning_rate(tmp_path):

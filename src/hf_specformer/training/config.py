@@ -64,6 +64,8 @@ class DrafterTrainingConfig:
             to the SwiGLU and the losses (a CPU step's head and slot MLP cost N / l_d as much). Drafting k <= N
             tokens loses nothing; drafts past slot N come from slots this run did not train.
         eval_fraction: share of the sequences held out (seeded shuffle) to measure the accepted length kappa.
+        eval_data: a held-out data folder (as `data`) measured instead of a split of `data`, which is then trained
+            on whole (needs `eval_fraction` 0): runs on different training sets compare on the same texts.
         eval_every: evaluate every this many optimiser steps (0: only at the end).
         save_every: checkpoint every this many optimiser steps (0: never).
         mixed_precision: `no` or `bf16` (autocast of the target, the drafter and the head; float32 weights).
@@ -126,6 +128,10 @@ class DrafterTrainingConfig:
     )
     loss_slots: int = field(default=0, metadata={"help": "Losses on the first N slots only (0: all l_d)."})
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of sequences held out for evaluation."})
+    eval_data: str | None = field(
+        default=None, metadata={"help": "Held-out data folder evaluated instead of a split of --data (needs "
+                                        "--eval-fraction 0)."}
+    )
     eval_every: int = field(default=500, metadata={"help": "Evaluate every N optimiser steps (0: at the end)."})
     save_every: int = field(default=500, metadata={"help": "Checkpoint every N optimiser steps (0: never)."})
     mixed_precision: Literal["no", "bf16"] = field(default="no", metadata={"help": "Autocast precision."})
@@ -174,6 +180,9 @@ class DrafterTrainingConfig:
             raise ValueError(f"`warmup_ratio` must be in [0, 1), got {self.warmup_ratio}.")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"`eval_fraction` must be in [0, 1), got {self.eval_fraction}.")
+        if self.eval_data and self.eval_fraction > 0:
+            raise ValueError(f"`eval_data` replaces the held-out split of `data`: set `eval_fraction` to 0, got "
+                             f"{self.eval_fraction}.")
         if self.lora and not self.init_from:
             raise ValueError("`lora` adapts a trained drafter: set `init_from` to its folder.")
         if self.lora and self.next_token_input:

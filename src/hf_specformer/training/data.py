@@ -70,6 +70,11 @@ def trainable_indices(dataset: Dataset, max_length: int) -> list[int]:
     ]
 
 
+def usable_rows(dataset: Dataset, max_length: int) -> Dataset:
+    """The rows of `dataset` that `trainable_indices` keeps, in order."""
+    return dataset.select(trainable_indices(dataset, max_length))
+
+
 def split_train_eval(dataset: Dataset, max_length: int, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """Train and held-out splits of the usable rows, by a shuffle seeded with `seed`."""
     rows = trainable_indices(dataset, max_length)

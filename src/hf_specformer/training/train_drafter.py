@@ -68,6 +68,7 @@ from hf_specformer.training.data import (
     load_distilled,
     reply_vocabulary,
     split_train_eval,
+    usable_rows,
 )
 from hf_specformer.training.evaluation import evaluate_kappa
 from hf_specformer.training.optimization import build_optimizer, warmup_cosine
@@ -262,6 +263,8 @@ def train(
     target = target.requires_grad_(False).eval().to(accelerator.device)
     dataset = load_distilled(config.data) if dataset is None else dataset
     train_set, eval_set = split_train_eval(dataset, config.max_length, config.eval_fraction, config.seed)
+    if config.eval_data:
+        eval_set = usable_rows(load_distilled(config.eval_data), config.max_length)
     batches_per_epoch = math.ceil(len(train_set) / (config.per_device_batch_size * accelerator.num_processes))
     total_steps = total_optimizer_steps(config, batches_per_epoch)
 
