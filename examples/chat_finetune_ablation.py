@@ -24,15 +24,17 @@ from hf_specformer.training.data import load_distilled, reply_token_counts, repl
 FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)",
               "lora": "LoRA r = 16, lr 2e-3, 1 epoch, hard labels",
               "vocab3": "draft-vocabulary loss, slots 1-3, every position, hard labels",
-              "vocab3soft": "draft-vocabulary loss, slots 1-3, every position, hard + soft labels (weight 1)"}
+              "vocab3soft": "draft-vocabulary loss, slots 1-3, every position, hard + soft labels (weight 1)",
+              "vocab3more": "draft-vocabulary loss, slots 1-3, every position, hard labels, + a second prompt set's "
+                            "answers (2.9x the reply tokens)"}
 
 
 def held_out(run: Path) -> dict[str, list[float]]:
-    """Teacher-forced kappa at k = 1..8 on the run's held-out answers: the shipped drafter, then each fine-tune the
-    run holds."""
+    """Teacher-forced kappa at k = 1..8 on the run's held-out answers: the drafter they all start from, then each
+    fine-tune the run holds."""
     reports = {name: json.loads((run / name / "eval.json").read_text()) for name in FINE_TUNES
                if (run / name / "eval.json").exists()}
-    kappas = {"shipped drafter": next(iter(reports.values()))["initial"]["kappa"]}
+    kappas = {"starting drafter": next(iter(reports.values()))["initial"]["kappa"]}
     kappas.update({FINE_TUNES[name]: report["kappa"] for name, report in reports.items()})
     return kappas
 
