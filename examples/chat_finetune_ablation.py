@@ -92,14 +92,14 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(6, 3.5))
+    figure, axis = plt.subplots(figsize=(9, 5))
     for name, values in kappas.items():
         axis.plot(range(1, len(values) + 1), values, marker="o", label=name)
     axis.set_xlabel("drafts per step k")
     axis.set_ylabel("held-out kappa (teacher-forced)")
-    axis.legend(fontsize="small")
+    axis.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
     figure.tight_layout()
-    figure.savefig(output.with_suffix(".png"))
+    figure.savefig(output.with_suffix(".png"), bbox_inches="tight")
 
 
 if __name__ == "__main__":
