@@ -20,8 +20,15 @@ PROMPTS=${PROMPTS:-1200}
 EPOCHS=${EPOCHS:-2}
 DRAFTER=${DRAFTER:-$(python -c "from hf_specformer.shipped_models import shipped_drafter_dir; print(shipped_drafter_dir())")}
 
-hf-specformer synthesize --output "$OUT/prompts.jsonl" --num-prompts "$PROMPTS" --batch-size 32 --categories all \
-    --seed 1
+synthesize() {  # synthesize NAME COUNT SEED: the target writes COUNT chat prompts into $OUT/NAME.jsonl
+    hf-specformer synthesize --output "$OUT/$1.jsonl" --num-prompts "$2" --batch-size 32 --categories all --seed "$3"
+}
+answer() {  # answer NAME: the target answers $OUT/prompts_NAME.jsonl greedily into $OUT/distill_NAME
+    hf-specformer distill --prompts "$OUT/prompts_$1.jsonl" --output "$OUT/distill_$1" --max-new-tokens 192 \
+        --batch-size 32
+}
+
+synthesize prompts "$PROMPTS" 1
 python - "$OUT" <<'PY'  # every tenth prompt is held out for calibration (training holds out its own eval split)
 import json, sys
 records = [json.loads(line) for line in open(f"{sys.argv[1]}/prompts.jsonl")]
@@ -29,10 +36,8 @@ for name, keep in (("train", lambda i: i % 10), ("heldout", lambda i: not i % 10
     with open(f"{sys.argv[1]}/prompts_{name}.jsonl", "w") as file:
         file.writelines(json.dumps(r) + "\n" for i, r in enumerate(records) if keep(i))
 PY
-for split in train heldout; do
-    hf-specformer distill --prompts "$OUT/prompts_$split.jsonl" --output "$OUT/distill_$split" --max-new-tokens 192 \
-        --batch-size 32
-done
+answer train
+answer heldout
 
 train() {  # train NAME [extra options]: one fine-tune of the shipped drafter, one thread (the two run side by side)
     local name=$1; shift
@@ -53,11 +58,8 @@ train lora --lora --epochs 1 --learning-rate 2e-3 --min-learning-rate 1e-4 --num
 train vocab3 --positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-loss --loss-slots 3
 # A fifth: more data for the fourth. A second prompt set (another seed, every prompt answered for training) joins the
 # first set's training answers; --eval-data measures the same held-out answers as the runs above.
-MORE=${MORE:-2000}
-hf-specformer synthesize --output "$OUT/prompts_more.jsonl" --num-prompts "$MORE" --batch-size 32 --categories all \
-    --seed 3
-hf-specformer distill --prompts "$OUT/prompts_more.jsonl" --output "$OUT/distill_more" --max-new-tokens 192 \
-    --batch-size 32
+synthesize prompts_more "${MORE:-2000}" 3
+answer more
 python - "$OUT" <<'PY'  # the trainer's own split of the first answers (max_length 512, eval_fraction 0.1, seed 0)
 import sys
 from datasets import concatenate_datasets
@@ -71,18 +73,20 @@ train vocab3more --data "$OUT/train_more" --eval-data "$OUT/heldout_first" --eva
     --positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-loss --loss-slots 3 --num-threads 0
 # A sixth: a third prompt set (another seed), answered, then trained on alone, starting from the fifth's weights at a
 # lower peak learning rate (the fifth already saw the first two sets twice).
-MORE2=${MORE2:-2000}
-hf-specformer synthesize --output "$OUT/prompts_more2.jsonl" --num-prompts "$MORE2" --batch-size 32 --categories all \
-    --seed 4
-hf-specformer distill --prompts "$OUT/prompts_more2.jsonl" --output "$OUT/distill_more2" --max-new-tokens 192 \
-    --batch-size 32
+synthesize prompts_more2 "${MORE2:-2000}" 4
+answer more2
 DRAFTER="$OUT/vocab3more/drafter" train vocab3more2 --data "$OUT/distill_more2" --eval-data "$OUT/heldout_first" \
     --eval-fraction 0 --positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-loss --loss-slots 3 \
     --learning-rate 2e-4 --num-threads 0
 BEST=${BEST:-vocab3more2}
 hf-specformer export --drafter "$OUT/$BEST/drafter" --output "$OUT/drafter" --eval "$OUT/$BEST/eval.json" \
     --num-speculative-tokens 3 --dtype bfloat16
-hf-specformer calibrate --data "$OUT/distill_heldout" --drafter "$OUT/drafter" --write --output "$OUT/calibration.json"
+# The drafter's confidence table and the shipped companion's (S, A) table, both fitted with the exported drafter.
+rm -rf "$OUT/companion"
+cp -r "$(python -c "from hf_specformer.shipped_models import shipped_companion_dir; print(shipped_companion_dir())")" \
+    "$OUT/companion"
+hf-specformer calibrate --data "$OUT/distill_heldout" --drafter "$OUT/drafter" --companion "$OUT/companion" --write \
+    --output "$OUT/calibration.json"
 hf-specformer eval-drafter --drafter "$OUT/drafter" --limit-per-group 5 --with-lookup --with-suffix \
     --output "$OUT/mtbench_eval"
 python examples/chat_finetune_ablation.py --run "$OUT" --mtbench "$BEST=$OUT/mtbench_eval.json" --output "$OUT/ablation"
