@@ -55,7 +55,8 @@ wait
 train lora --lora --epochs 1 --learning-rate 2e-3 --min-learning-rate 1e-4 --num-threads 0
 # A fourth: the losses score only the draft vocabulary (8,192 of 49,152 columns) and train only slots 1-3, the ones
 # k = 3 drafts, which makes the head cheap enough for the cross-entropy at every reply position.
-train vocab3 --positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-loss --loss-slots 3
+VOCAB3=(--positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-loss --loss-slots 3)
+train vocab3 "${VOCAB3[@]}"
 # A fifth: more data for the fourth. A second prompt set (another seed, every prompt answered for training) joins the
 # first set's training answers; --eval-data measures the same held-out answers as the runs above.
 synthesize prompts_more "${MORE:-2000}" 3
@@ -69,15 +70,14 @@ train, heldout = split_train_eval(load_distilled(f"{out}/distill_train"), 512, 0
 concatenate_datasets([train, load_distilled(f"{out}/distill_more")]).save_to_disk(f"{out}/train_more")
 heldout.save_to_disk(f"{out}/heldout_first")
 PY
-train vocab3more --data "$OUT/train_more" --eval-data "$OUT/heldout_first" --eval-fraction 0 \
-    --positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-loss --loss-slots 3 --num-threads 0
+train vocab3more --data "$OUT/train_more" --eval-data "$OUT/heldout_first" --eval-fraction 0 "${VOCAB3[@]}" \
+    --num-threads 0
 # A sixth: a third prompt set (another seed), answered, then trained on alone, starting from the fifth's weights at a
 # lower peak learning rate (the fifth already saw the first two sets twice).
 synthesize prompts_more2 "${MORE2:-2000}" 4
 answer more2
 DRAFTER="$OUT/vocab3more/drafter" train vocab3more2 --data "$OUT/distill_more2" --eval-data "$OUT/heldout_first" \
-    --eval-fraction 0 --positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-loss --loss-slots 3 \
-    --learning-rate 2e-4 --num-threads 0
+    --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
 BEST=${BEST:-vocab3more2}
 hf-specformer export --drafter "$OUT/$BEST/drafter" --output "$OUT/drafter" --eval "$OUT/$BEST/eval.json" \
     --num-speculative-tokens 3 --dtype bfloat16
