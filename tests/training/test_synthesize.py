@@ -46,6 +46,15 @@ def test_smollm2_writes_distinct_prompts_and_resumes_reproducibly(tokenizer, tmp
     with pytest.raises(ValueError, match="seed"):
         synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), seed=1, **kwargs)
 
+    # A new set that excludes the first three: the same seed samples the same messages, so it keeps the other three
+    # first, and the exclusions are part of the run's identity.
+    other = str(tmp_path / "other.jsonl")
+    excluded = [" " + prompt for prompt in prompts[:3]]  # compared stripped
+    again = synthesize_prompts(target, tokenizer, NUM_PROMPTS, other, exclude=excluded, **kwargs)
+    assert again[:3] == prompts[3:] and not set(again) & set(prompts[:3]) and len(set(again)) == NUM_PROMPTS
+    with pytest.raises(ValueError, match="excluded"):
+        synthesize_prompts(target, tokenizer, NUM_PROMPTS, other, **kwargs)
+
 
 def test_a_target_that_never_closes_its_turn_is_an_error(tokenizer, tmp_path):
     with pytest.raises(RuntimeError, match="instruction-tuned"):

@@ -8,7 +8,8 @@ templates covers far less of it. `distill --prompts <this file>` then has the ta
 
 Choices (Magpie's defaults where it has one): temperature 1.0, no top-k or top-p cut. A message is kept only if the
 target closed the turn itself (an EOS before `max_new_tokens`), it is not blank, and it is not an exact duplicate
-of one kept before. With `categories`, batch b's template carries the system prompt of category b mod n
+of one kept before or of one in `exclude` (earlier prompt sets, so that a new set adds only new prompts). With
+`categories`, batch b's template carries the system prompt of category b mod n
 (`CATEGORY_SYSTEM_PROMPTS`, as Magpie steers its task mix), so the prompts cover every kind of request a chat model
 serves rather than the few a bare template drifts to; each record names its `category`.
 
@@ -20,14 +21,17 @@ Run it with `hf-specformer synthesize ...` or `python -m hf_specformer.training.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specformer.batching import batch_seed, cut_after_eos, eos_token_ids
+from hf_specformer.prompts import load_prompts
 from hf_specformer.records import append_records, check_or_write_meta, read_records, target_fingerprint
 from hf_specformer.targets import add_target_arguments, target_from_args
 
@@ -110,6 +114,11 @@ def sample_user_messages(
     return messages
 
 
+def prompts_sha256(prompts: set[str]) -> str:
+    """A fingerprint of a set of prompts (order-free), recorded in a run's meta file."""
+    return hashlib.sha256("\n\0".join(sorted(prompts)).encode()).hexdigest()
+
+
 def synthesize_prompts(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -120,14 +129,16 @@ def synthesize_prompts(
     max_new_tokens: int = 128,
     seed: int = 0,
     categories: list[str] | None = None,
+    exclude: Iterable[str] = (),
     progress: bool = True,
 ) -> list[str]:
     """Has `target` write `num_prompts` distinct user prompts into `output_path` (JSONL with `id`, `batch`,
     `source`, `prompt`, and `category` with `categories`) and returns them, resuming a run already there.
 
     `categories`: keys of `CATEGORY_SYSTEM_PROMPTS` taken in turn, one per batch (None: the template's own system
-    prompt). Raises ValueError for an unknown category or when `output_path` holds a run with another target, seed,
-    length limit or categories (recorded in `<output_path>.meta.json`), and RuntimeError when
+    prompt). `exclude`: prompts never written (compared after stripping whitespace). Raises ValueError for an unknown
+    category or when `output_path` holds a run with another target, seed, length limit, categories or exclusions
+    (recorded in `<output_path>.meta.json`), and RuntimeError when
     `MAX_FRUITLESS_BATCHES` batches in a row keep nothing.
     """
     if num_prompts < 1 or batch_size < 1 or max_new_tokens < 1:
@@ -137,12 +148,14 @@ def synthesize_prompts(
         raise ValueError(f"Unknown categories {unknown}; choose from {sorted(CATEGORY_SYSTEM_PROMPTS)}.")
     directory = os.path.dirname(os.path.abspath(output_path))
     os.makedirs(directory, exist_ok=True)
+    excluded = {prompt.strip() for prompt in exclude}
     meta = {**target_fingerprint(target), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-            **({"categories": categories} if categories else {})}
+            **({"categories": categories} if categories else {}),
+            **({"excluded_sha256": prompts_sha256(excluded)} if excluded else {})}
     check_or_write_meta(output_path + ".meta.json", meta)
     records = sorted(read_records(output_path).values(), key=lambda record: record["id"])
     prompts = [record["prompt"] for record in records]
-    seen = set(prompts)
+    seen = set(prompts) | excluded
     batch_index = max((record["batch"] for record in records), default=-1) + 1
     kinds = categories or [None]
     prefixes = {kind: user_turn_prefix_ids(tokenizer, CATEGORY_SYSTEM_PROMPTS.get(kind)) for kind in kinds}
@@ -190,6 +203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--categories", nargs="+", default=None, metavar="CATEGORY",
                         help="steer batches in turn by category system prompts (`all`: "
                         f"{', '.join(CATEGORY_SYSTEM_PROMPTS)})")
+    parser.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+                        help="prompt files (as `distill --prompts` reads them) whose prompts are never written: "
+                        "earlier sets")
     args = parser.parse_args(argv)
     if args.categories == ["all"]:
         args.categories = list(CATEGORY_SYSTEM_PROMPTS)
@@ -200,10 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `hf-specformer synthesize`."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    exclude = load_prompts(args.exclude) if args.exclude else []
     target, tokenizer = target_from_args(args)
     prompts = synthesize_prompts(
         target, tokenizer, args.num_prompts, args.output,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed, categories=args.categories,
+        exclude=exclude,
     )
     logger.info("%d prompts in %s", len(prompts), args.output)
 
