@@ -28,6 +28,8 @@ FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, we
               "vocab3more": "draft-vocabulary loss, slots 1-3, every position, hard labels, + a second prompt set's "
                             "answers (2.9x the reply tokens)",
               "vocab3more2": "the previous row, trained on from its weights on a third prompt set's 2,000 answers "
+                             "(lr 2e-4, 2 epochs)",
+              "vocab3more3": "the previous row, trained on from its weights on a fourth prompt set's 3,079 answers "
                              "(lr 2e-4, 2 epochs)"}
 
 

@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
 # Fine-tune a SmolLM2 drafter for chat traffic on this CPU, and measure each change on held-out data. DRAFTER is the
-# start (default: the shipped one). The shipped drafter is this script's sixth change, which continues its fifth,
-# started from the drafter that `git archive 722f61c src/hf_specformer/pretrained | tar -x -C OLD` restores under OLD/.
+# start (default: the shipped one). The shipped drafter is this script's seventh change, which continues its sixth
+# and fifth, started from the drafter that `git archive 722f61c src/hf_specformer/pretrained | tar -x -C OLD`
+# restores under OLD/.
 #   1. the target writes chat prompts itself, steered over 11 categories (Magpie, `synthesize --categories all`);
 #   2. it answers them greedily with the continuous batch job (`distill`);
 #   3. two fine-tunes of the shipped drafter on those answers, from the same start, same steps and same split:
 #      hard labels alone, and hard labels plus soft labels (forward KL from the target's distribution, DistillSpec);
 #      then a LoRA adapter at a higher learning rate, and the draft-vocabulary loss on slots 1-3 at every position,
-#      on these answers and on these plus the answers to a second prompt set, then on a third set's answers;
+#      on these answers and on these plus the answers to a second prompt set, then on a third set's, then a fourth's;
 #      each run's eval.json holds its held-out kappa beside the shipped drafter's ("initial");
-#   4. the best one (the sixth change) is exported in bfloat16 (keeping the shipped draft vocabulary: recounted on these ~150K reply tokens it
-#      covers fewer held-out chat tokens, 0.940 against 0.953), calibrated on answers to held-out prompts (every
-#      tenth), and evaluated on MT-bench (teacher-forced and live, per category).
+#   4. the best one (the seventh change) is exported in bfloat16 (keeping the shipped draft vocabulary: recounted on
+#      these ~150K reply tokens it covers fewer held-out chat tokens, 0.940 against 0.953), calibrated on answers to
+#      held-out prompts (every tenth), and evaluated on MT-bench (teacher-forced and live, per category).
 # Every stage resumes when run again: synthesis and distillation continue after the last record on disk, training
 # with --resume from its last checkpoint (SIGTERM checkpoints and stops cleanly). No MT-bench prompt is trained on.
 set -euo pipefail
 OUT=${OUT:-runs/chat}
 PROMPTS=${PROMPTS:-1200}
 EPOCHS=${EPOCHS:-2}
-DRAFTER=${DRAFTER:-$(python -c "from hf_specformer.shipped_models import shipped_drafter_dir; print(shipped_drafter_dir())")}
+DRAFTER=${DRAFTER:-$(python -c "from hf_specformer.shipped_models import shipped_drafter_dir as d; print(d())")}
 
-synthesize() {  # synthesize NAME COUNT SEED: the target writes COUNT chat prompts into $OUT/NAME.jsonl
-    hf-specformer synthesize --output "$OUT/$1.jsonl" --num-prompts "$2" --batch-size 32 --categories all --seed "$3"
+synthesize() {  # synthesize NAME COUNT SEED [EARLIER...]: COUNT chat prompts into $OUT/NAME.jsonl, none in EARLIER's
+    local name=$1 count=$2 seed=$3 exclude=(); shift 3
+    [ $# -gt 0 ] && exclude=(--exclude) && for set in "$@"; do exclude+=("$OUT/$set.jsonl"); done
+    hf-specformer synthesize --output "$OUT/$name.jsonl" --num-prompts "$count" --batch-size 32 --categories all \
+        --seed "$seed" "${exclude[@]}"
 }
 answer() {  # answer NAME: the target answers $OUT/prompts_NAME.jsonl greedily into $OUT/distill_NAME
     hf-specformer distill --prompts "$OUT/prompts_$1.jsonl" --output "$OUT/distill_$1" --max-new-tokens 192 \
@@ -59,7 +63,7 @@ VOCAB3=(--positions-per-sequence 0 --ce-positions-per-sequence 0 --draft-vocab-l
 train vocab3 "${VOCAB3[@]}"
 # A fifth: more data for the fourth. A second prompt set (another seed, every prompt answered for training) joins the
 # first set's training answers; --eval-data measures the same held-out answers as the runs above.
-synthesize prompts_more "${MORE:-2000}" 3
+synthesize prompts_more "${MORE:-2000}" 3 prompts
 answer more
 python - "$OUT" <<'PY'  # the trainer's own split of the first answers (max_length 512, eval_fraction 0.1, seed 0)
 import sys
@@ -74,11 +78,16 @@ train vocab3more --data "$OUT/train_more" --eval-data "$OUT/heldout_first" --eva
     --num-threads 0
 # A sixth: a third prompt set (another seed), answered, then trained on alone, starting from the fifth's weights at a
 # lower peak learning rate (the fifth already saw the first two sets twice).
-synthesize prompts_more2 "${MORE2:-2000}" 4
+synthesize prompts_more2 "${MORE2:-2000}" 4 prompts prompts_more
 answer more2
 DRAFTER="$OUT/vocab3more/drafter" train vocab3more2 --data "$OUT/distill_more2" --eval-data "$OUT/heldout_first" \
     --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
-BEST=${BEST:-vocab3more2}
+# A seventh: the same once more, a fourth prompt set from the sixth's weights.
+synthesize prompts_more3 "${MORE3:-3079}" 5 prompts prompts_more prompts_more2
+answer more3
+DRAFTER="$OUT/vocab3more2/drafter" train vocab3more3 --data "$OUT/distill_more3" --eval-data "$OUT/heldout_first" \
+    --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
+BEST=${BEST:-vocab3more3}
 hf-specformer export --drafter "$OUT/$BEST/drafter" --output "$OUT/drafter" --eval "$OUT/$BEST/eval.json" \
     --num-speculative-tokens 3 --dtype bfloat16
 # The drafter's confidence table and the shipped companion's (S, A) table, both fitted with the exported drafter.
