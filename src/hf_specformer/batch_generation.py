@@ -31,8 +31,6 @@ resumed one draws fresh samples for the prompts left (from the same distribution
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 
@@ -55,6 +53,7 @@ from .records import (
     THROUGHPUT_FILE,
     append_records,
     check_or_write_meta,
+    prompts_sha256,
     read_all_records,
     records_file,
     remove_leftovers,
@@ -81,7 +80,7 @@ def run_meta(target: PreTrainedModel, prompts: list[str], settings: GenerationSe
         **target_fingerprint(target),
         **settings.meta(),
         "num_prompts": len(prompts),
-        "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "prompts_sha256": prompts_sha256(prompts),
     }
 
 

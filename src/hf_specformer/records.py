@@ -49,6 +49,11 @@ def target_fingerprint(target: PreTrainedModel) -> dict:
     }
 
 
+def prompts_sha256(prompts: list[str]) -> str:
+    """What identifies a list of prompts across runs (order included; sort a set first)."""
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
 def check_or_write_meta(path: str, meta: dict) -> None:
     """Writes `meta` to `path` for a new run; for a resumed one, raises ValueError if `meta` differs from it."""
     if os.path.exists(path):

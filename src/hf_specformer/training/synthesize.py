@@ -21,7 +21,6 @@ Run it with `hf-specformer synthesize ...` or `python -m hf_specformer.training.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -32,7 +31,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specformer.batching import batch_seed, cut_after_eos, eos_token_ids
 from hf_specformer.prompts import load_prompts
-from hf_specformer.records import append_records, check_or_write_meta, read_records, target_fingerprint
+from hf_specformer.records import (
+    append_records,
+    check_or_write_meta,
+    prompts_sha256,
+    read_records,
+    target_fingerprint,
+)
 from hf_specformer.targets import add_target_arguments, target_from_args
 
 logger = logging.getLogger(__name__)
@@ -114,11 +119,6 @@ def sample_user_messages(
     return messages
 
 
-def prompts_sha256(prompts: set[str]) -> str:
-    """A fingerprint of a set of prompts (order-free), recorded in a run's meta file."""
-    return hashlib.sha256("\n\0".join(sorted(prompts)).encode()).hexdigest()
-
-
 def synthesize_prompts(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -151,7 +151,7 @@ def synthesize_prompts(
     excluded = {prompt.strip() for prompt in exclude}
     meta = {**target_fingerprint(target), "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
             **({"categories": categories} if categories else {}),
-            **({"excluded_sha256": prompts_sha256(excluded)} if excluded else {})}
+            **({"excluded_sha256": prompts_sha256(sorted(excluded))} if excluded else {})}
     check_or_write_meta(output_path + ".meta.json", meta)
     records = sorted(read_records(output_path).values(), key=lambda record: record["id"])
     prompts = [record["prompt"] for record in records]
