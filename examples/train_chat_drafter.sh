@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Fine-tune a SmolLM2 drafter for chat traffic on this CPU, and measure each change on held-out data. DRAFTER is the
-# start (default: the shipped one). The shipped drafter is this script's seventh change, which continues its sixth
-# and fifth, started from the drafter that `git archive 722f61c src/hf_specformer/pretrained | tar -x -C OLD`
+# start (default: the shipped one). The shipped drafter is this script's eighth change, which continues its seventh,
+# sixth and fifth, started from the drafter that `git archive 722f61c src/hf_specformer/pretrained | tar -x -C OLD`
 # restores under OLD/.
 #   1. the target writes chat prompts itself, steered over 11 categories (Magpie, `synthesize --categories all`);
 #   2. it answers them greedily with the continuous batch job (`distill`);
 #   3. two fine-tunes of the shipped drafter on those answers, from the same start, same steps and same split:
 #      hard labels alone, and hard labels plus soft labels (forward KL from the target's distribution, DistillSpec);
 #      then a LoRA adapter at a higher learning rate, and the draft-vocabulary loss on slots 1-3 at every position,
-#      on these answers and on these plus the answers to a second prompt set, then on a third set's, then a fourth's;
-#      each run's eval.json holds its held-out kappa beside the shipped drafter's ("initial");
-#   4. the best one (the seventh change) is exported in bfloat16 (keeping the shipped draft vocabulary: recounted on
+#      on these answers and on these plus the answers to a second prompt set, then on a third set's, a fourth's and a
+#      fifth's; each run's eval.json holds its held-out kappa beside the shipped drafter's ("initial");
+#   4. the best one (the eighth change) is exported in bfloat16 (keeping the shipped draft vocabulary: recounted on
 #      these ~150K reply tokens it covers fewer held-out chat tokens, 0.940 against 0.953), calibrated on answers to
 #      held-out prompts (every tenth), and evaluated on MT-bench (teacher-forced and live, per category).
 # Every stage resumes when run again: synthesis and distillation continue after the last record on disk, training
@@ -87,7 +87,12 @@ synthesize prompts_more3 "${MORE3:-3079}" 5 prompts prompts_more prompts_more2
 answer more3
 DRAFTER="$OUT/vocab3more2/drafter" train vocab3more3 --data "$OUT/distill_more3" --eval-data "$OUT/heldout_first" \
     --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
-BEST=${BEST:-vocab3more3}
+# An eighth: a fifth prompt set from the seventh's weights.
+synthesize prompts_more4 "${MORE4:-3249}" 6 prompts prompts_more prompts_more2 prompts_more3
+answer more4
+DRAFTER="$OUT/vocab3more3/drafter" train vocab3more4 --data "$OUT/distill_more4" --eval-data "$OUT/heldout_first" \
+    --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
+BEST=${BEST:-vocab3more4}
 hf-specformer export --drafter "$OUT/$BEST/drafter" --output "$OUT/drafter" --eval "$OUT/$BEST/eval.json" \
     --num-speculative-tokens 3 --dtype bfloat16
 # The drafter's confidence table and the shipped companion's (S, A) table, both fitted with the exported drafter.
