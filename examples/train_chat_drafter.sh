@@ -76,22 +76,21 @@ heldout.save_to_disk(f"{out}/heldout_first")
 PY
 train vocab3more --data "$OUT/train_more" --eval-data "$OUT/heldout_first" --eval-fraction 0 "${VOCAB3[@]}" \
     --num-threads 0
-# A sixth: a third prompt set (another seed), answered, then trained on alone, starting from the fifth's weights at a
-# lower peak learning rate (the fifth already saw the first two sets twice).
-synthesize prompts_more2 "${MORE2:-2000}" 4 prompts prompts_more
-answer more2
-DRAFTER="$OUT/vocab3more/drafter" train vocab3more2 --data "$OUT/distill_more2" --eval-data "$OUT/heldout_first" \
-    --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
-# A seventh: the same once more, a fourth prompt set from the sixth's weights.
-synthesize prompts_more3 "${MORE3:-3079}" 5 prompts prompts_more prompts_more2
-answer more3
-DRAFTER="$OUT/vocab3more2/drafter" train vocab3more3 --data "$OUT/distill_more3" --eval-data "$OUT/heldout_first" \
-    --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
-# An eighth: a fifth prompt set from the seventh's weights.
-synthesize prompts_more4 "${MORE4:-3249}" 6 prompts prompts_more prompts_more2 prompts_more3
-answer more4
-DRAFTER="$OUT/vocab3more3/drafter" train vocab3more4 --data "$OUT/distill_more4" --eval-data "$OUT/heldout_first" \
-    --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
+# A sixth, seventh and eighth: each a new prompt set (another seed; none of the earlier sets' prompts), answered, then
+# trained on alone, from the change before's weights at a lower peak learning rate (the fifth already saw the first
+# two sets twice).
+train_on_more() {  # train_on_more N COUNT SEED: prompt set prompts_moreN, its answers, then the run vocab3moreN
+    local n=$1 count=$2 seed=$3 earlier=(prompts prompts_more) previous=vocab3more i
+    for ((i = 2; i < n; i++)); do earlier+=("prompts_more$i"); done
+    [ "$n" -gt 2 ] && previous=vocab3more$((n - 1))
+    synthesize "prompts_more$n" "$count" "$seed" "${earlier[@]}"
+    answer "more$n"
+    DRAFTER="$OUT/$previous/drafter" train "vocab3more$n" --data "$OUT/distill_more$n" \
+        --eval-data "$OUT/heldout_first" --eval-fraction 0 "${VOCAB3[@]}" --learning-rate 2e-4 --num-threads 0
+}
+train_on_more 2 "${MORE2:-2000}" 4
+train_on_more 3 "${MORE3:-3079}" 5
+train_on_more 4 "${MORE4:-3249}" 6
 BEST=${BEST:-vocab3more4}
 hf-specformer export --drafter "$OUT/$BEST/drafter" --output "$OUT/drafter" --eval "$OUT/$BEST/eval.json" \
     --num-speculative-tokens 3 --dtype bfloat16
