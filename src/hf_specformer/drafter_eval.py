@@ -17,7 +17,9 @@ floating-point rounding: a gap above `MAX_GAP` means the live path computes some
 a bug to find, not a data problem. `--with-lookup` adds a live run with prompt lookup on top of the drafter, and
 `--with-suffix` one with prompt lookup and cross-request suffix drafts (`generation/suffix.py`) from one
 `SuffixIndex` for the whole evaluation, which holds what that run generated for the prompts before (never the
-plain answers, so nothing is drafted from the text being scored).
+plain answers, so nothing is drafted from the text being scored). `--with-alternative` repeats each live run with
+`alternative_draft=True` (slot 1's second-best token verified as a branch of its own, `generation/alternatives.py`),
+each with a suffix index of its own.
 
 Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
 each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
@@ -77,44 +79,53 @@ class LiveTally:
 
 
 def _live(target, drafter, input_ids: torch.LongTensor, k: int, max_new_tokens: int, lookup_ngram_size: int,
-          suffix_index: SuffixIndex | None):
+          suffix_index: SuffixIndex | None, alternative_draft: bool):
     return generate(target, input_ids=input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
                     num_draft_tokens=k, lookup_ngram_size=lookup_ngram_size, suffix_index=suffix_index,
-                    schedule="fixed", max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+                    alternative_draft=alternative_draft, schedule="fixed", max_new_tokens=max_new_tokens,
+                    do_sample=False, return_dict_in_generate=True)
 
 
-LIVE_RUNS = {"live": "kappa live", "live_lookup": "kappa live + lookup", "live_suffix": "kappa live + lookup + suffix"}
+LIVE_RUNS = {"live": "kappa live", "live_lookup": "kappa live + lookup", "live_suffix": "kappa live + lookup + suffix",
+             "live_alternative": "kappa live + alternative",
+             "live_lookup_alternative": "kappa live + lookup + alternative",
+             "live_suffix_alternative": "kappa live + lookup + suffix + alternative"}
 """Report key of each live run -> its table column."""
 
+ALTERNATIVE = "_alternative"
+"""Suffix of a live run's key with `alternative_draft=True` (`generation/alternatives.py`)."""
 
-def _live_runs(with_lookup: bool, with_suffix: bool, lookup_ngram_size: int) -> dict[str, tuple]:
-    """The live runs asked for: report key -> (prompt lookup's n-gram size, suffix index)."""
+
+def _live_runs(with_lookup: bool, with_suffix: bool, with_alternative: bool, lookup_ngram_size: int) -> dict:
+    """The live runs asked for: report key -> (prompt lookup's n-gram size, suffix index, alternative draft)."""
     runs = {"live": (0, None)}
     if with_lookup:
         runs["live_lookup"] = (lookup_ngram_size, None)
     if with_suffix:
         runs["live_suffix"] = (lookup_ngram_size, SuffixIndex())
-    return runs
+    twins = {run + ALTERNATIVE: (ngram, None if index is None else SuffixIndex())
+             for run, (ngram, index) in runs.items()} if with_alternative else {}
+    return {run: (*settings, run.endswith(ALTERNATIVE)) for run, settings in {**runs, **twins}.items()}
 
 
 @torch.no_grad()
 def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str], num_draft_tokens: int,
                      max_new_tokens: int, eos_token_ids: set[int], with_lookup: bool = False,
-                     with_suffix: bool = False, lookup_ngram_size: int = 4) -> dict:
+                     with_suffix: bool = False, with_alternative: bool = False, lookup_ngram_size: int = 4) -> dict:
     """Teacher-forced and live acceptance of `drafter` on the target's greedy answers to `prompts` (token ids), per
     group and over `"all"`: `{group: {"num_prompts", "teacher_forced": {...}, "live": {...}, "live_lookup": {...},
     "live_suffix": {...}, "gap"}}` (`gap`: the largest |live - teacher-forced| slot acceptance)."""
     k = num_draft_tokens
     texts: dict[str, list[dict]] = {}
-    runs = _live_runs(with_lookup, with_suffix, lookup_ngram_size)
+    runs = _live_runs(with_lookup, with_suffix, with_alternative, lookup_ngram_size)
     tallies: dict[str, dict[str, LiveTally]] = {run: {} for run in runs}
     for prompt, group in zip(tqdm(prompts, desc="prompts"), groups):
         ids = torch.tensor([prompt], device=target.device)
         plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False)
         answer = cut_after_eos(plain[0, ids.shape[1]:].tolist(), eos_token_ids)
-        for run, (ngram, suffix_index) in runs.items():
-            output = _live(target, drafter, ids, k, max_new_tokens, ngram, suffix_index)
+        for run, (ngram, suffix_index, alternative) in runs.items():
+            output = _live(target, drafter, ids, k, max_new_tokens, ngram, suffix_index, alternative)
             identical = cut_after_eos(output.sequences[0, ids.shape[1]:].tolist(), eos_token_ids) == answer
             for name in (group, ALL):
                 tallies[run].setdefault(name, LiveTally(k)).add(output.speculation_stats, identical)
@@ -183,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-lookup", action="store_true", help="also a live run with prompt lookup")
     parser.add_argument("--with-suffix", action="store_true",
                         help="also a live run with prompt lookup and cross-request suffix drafts")
+    parser.add_argument("--with-alternative", action="store_true",
+                        help="each live run also with the alternative draft (slot 1's second-best token verified too)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default="bench/drafter_eval", help="writes OUTPUT.json and OUTPUT.png")
@@ -215,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--num-draft-tokens exceeds the drafter's draft_length ({drafter.config.draft_length}).")
     report = evaluate_drafter(target, drafter, [chat_prompt_ids(tokenizer, prompt) for prompt in prompts], groups,
                               args.num_draft_tokens, args.max_new_tokens, eos_token_ids(target, tokenizer),
-                              with_lookup=args.with_lookup, with_suffix=args.with_suffix)
+                              with_lookup=args.with_lookup, with_suffix=args.with_suffix,
+                              with_alternative=args.with_alternative)
     print(table(report))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,12 @@ from training_helpers import (  # single_thread: autouse, for every test here
 
 from hf_specformer.models import SpecFormerForDrafting
 from hf_specformer.training.data import collate, load_distilled, reply_vocabulary
-from hf_specformer.training.evaluation import acceptance_steps, evaluate_kappa
+from hf_specformer.training.evaluation import (
+    acceptance_steps,
+    draft_tokens,
+    evaluate_kappa,
+    tree_acceptance_steps,
+)
 from hf_specformer.training.losses import (
     IGNORE_INDEX,
     draft_vocab_labels,
@@ -458,6 +463,31 @@ def test_acceptance_steps_of_perfect_and_useless_drafts():
     half = perfect.clone()
     half[:, 2:] = 0  # the first two slots right, then wrong: each step accepts 2 drafts + the target's token
     assert set(acceptance_steps(half, tokens, start, 4)) == {3}
+
+
+def test_tree_acceptance_steps_take_the_longest_matching_branch():
+    tokens = torch.arange(100, 130)
+    start = 4
+    positions = torch.arange(start, len(tokens) - 2)
+    perfect = torch.stack([tokens[(positions + 2 + j).clamp(max=len(tokens) - 1)] for j in range(3)], dim=1)
+    ranked = torch.stack([torch.zeros_like(perfect), perfect], dim=2)  # [P, 3 slots, 2 ranks]: rank 1 is right
+    ranked[:, 1:, 0] = perfect[:, 1:]  # ... and rank 0 too at slots 2 and 3
+    assert set(tree_acceptance_steps(ranked, tokens, start, [(0, 0, 0)])) == {1}  # the argmax chain misses slot 1
+    assert set(tree_acceptance_steps(ranked, tokens, start, [(0, 0, 0), (1, 0, 0)])) == {4}
+    assert set(tree_acceptance_steps(ranked, tokens, start, [(0, 0, 0), (1,)])) == {2}  # a one-token branch
+    assert set(tree_acceptance_steps(ranked, tokens, start, [(1, 1, 1), (1, 0)])) == {4}  # the longest branch wins
+    assert tree_acceptance_steps(ranked[..., :1], tokens, start, [(0, 0, 0)]) == \
+        acceptance_steps(ranked[..., 0], tokens, start, 3)
+
+
+def test_ranked_draft_tokens_start_with_the_argmax():
+    target = make_target()
+    drafter = make_drafter(target, draft_length=4).eval()
+    ids = torch.tensor(random_dataset()[0]["input_ids"])
+    argmax = draft_tokens(target, drafter, ids, 5, 3, chunk_size=8)
+    ranked = draft_tokens(target, drafter, ids, 5, 3, chunk_size=8, ranks=2)
+    assert ranked.shape == (*argmax.shape, 2) and argmax.shape == (len(ids) - 2 - 5, 3)
+    assert torch.equal(ranked[..., 0], argmax) and (ranked[..., 0] != ranked[..., 1]).all()
 
 
 def test_evaluate_kappa_bounds_and_random_data():

@@ -54,6 +54,8 @@ class SpeculationConfig:
             running rows finish (continuous batching, `admission.py`).
         memory_budget: bytes the decoding rows' state may take (caches, vocabulary-wide tensors, prefill states;
             `admission.slot_bytes`); the slots are then at most as many as fit. None: no budget.
+        alternative_draft: each step that verifies drafts also verifies slot 1's second-best token as a branch of
+            its own (`alternatives.py`; greedy decoding only).
     """
 
     num_draft_tokens: int | None = None
@@ -68,6 +70,7 @@ class SpeculationConfig:
     kernel_backend: str | None = None
     max_batch_size: int | None = None
     memory_budget: int | None = None
+    alternative_draft: bool = False
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "lookup_ngram_size"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -16,12 +16,33 @@ def acceptance_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: 
 
     `drafts[r]` `[max_k]` are the draft tokens at position `start + r` (slot j guesses x_{start+r+2+j}), `tokens`
     `[L]` the sequence. From i = start, while all k labels x_{i+2 .. i+1+k} exist: step = 1 (the target's own
-    token) + length of the matched draft prefix, i += step. Returns the steps.
+    token) + length of the matched draft prefix, i += step. Returns the steps (`tree_acceptance_steps` with one
+    branch, the argmax chain).
     """
+    return tree_acceptance_steps(drafts[:, :k, None], tokens, start, [(0,) * k])
+
+
+def tree_acceptance_steps(ranked: torch.Tensor, tokens: torch.Tensor, start: int,
+                          branches: Sequence[Sequence[int]]) -> list[int]:
+    """Teacher-forced decoding steps of one sequence verifying a draft tree each step.
+
+    `ranked[r]` `[max_k, R]`: the drafter's R best tokens of each slot at position `start + r`, best first. A branch
+    is a tuple of ranks, one per slot from slot 1 (at most k = the longest branch's length): slot j drafts
+    `ranked[r, j, branch[j]]`. A step accepts the longest matching prefix over the branches (greedy verification of
+    a tree) plus the target's own token; the walk runs while all k labels exist, as `acceptance_steps`. The drafter
+    drafts every slot from the context alone, so a slot's tokens are the same under every branch.
+    """
+    k = max(len(branch) for branch in branches)
+    no_token = ranked.shape[2]  # a branch shorter than k drafts nothing past its end: a rank that never matches
+    ranked = torch.cat([ranked[:, :k], ranked.new_full((*ranked.shape[:1], k, 1), -1)], dim=2)
+    ranks = torch.tensor([list(branch) + [no_token] * (k - len(branch)) for branch in branches],
+                         device=ranked.device)  # [N, k]
+    slots = torch.arange(k, device=ranked.device)
     steps, position, length = [], start, tokens.shape[0]
     while position + 1 + k < length:
-        matches = drafts[position - start, :k] == tokens[position + 2 : position + 2 + k]
-        step = 1 + int(matches.long().cumprod(0).sum())
+        candidates = ranked[position - start][slots, ranks]  # [N, k]
+        matches = candidates == tokens[position + 2 : position + 2 + k]
+        step = 1 + int(matches.long().cumprod(1).sum(1).max())
         steps.append(step)
         position += step
     return steps
@@ -30,20 +51,26 @@ def acceptance_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: 
 @torch.no_grad()
 def draft_tokens(
     target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor, start: int, max_k: int,
-    chunk_size: int = 64,
+    chunk_size: int = 64, ranks: int | None = None,
 ) -> torch.Tensor:
     """Argmax drafts `[L - 2 - start, max_k]` of one sequence `[L]` at positions start .. L - 3 (those with a label),
-    computed `chunk_size` positions at a time to bound the `[chunk, max_k, V]` logits."""
+    or with `ranks` each slot's `ranks` best tokens `[L - 2 - start, max_k, ranks]`, best first; computed
+    `chunk_size` positions at a time to bound the `[chunk, max_k, V]` logits."""
     ids = input_ids[None]
     hooked = hooked_target_states(target, drafter, ids, torch.ones_like(ids))
     positions = torch.arange(start, ids.shape[1] - 2, device=ids.device)
     following = next_token_ids(ids)
+
+    def best(logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1) if ranks is None else logits.topk(ranks, dim=-1).indices
+
     chunks = [
-        drafter(hooked, use_cache=False, draft_positions=chunk[None], num_draft_tokens=max_k,
-                next_token_ids=following).logits[0].argmax(-1)
+        best(drafter(hooked, use_cache=False, draft_positions=chunk[None], num_draft_tokens=max_k,
+                     next_token_ids=following).logits[0])
         for chunk in positions.split(chunk_size)
     ]
-    return torch.cat(chunks) if chunks else torch.zeros((0, max_k), dtype=torch.long, device=ids.device)
+    empty = (0, max_k) if ranks is None else (0, max_k, ranks)
+    return torch.cat(chunks) if chunks else torch.zeros(empty, dtype=torch.long, device=ids.device)
 
 
 @torch.no_grad()

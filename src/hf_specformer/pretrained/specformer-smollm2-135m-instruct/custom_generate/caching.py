@@ -140,6 +140,17 @@ class PreallocatedLayer(DynamicLayer):
         self.length = length
         self._view(batch)
 
+    def move_column(self, rows: torch.BoolTensor, source: int, target: int) -> None:
+        """Copies, in the active rows `rows` (`[B]`), used column `source` over used column `target` (both
+        negative: counted back from the end of the used columns, -1 the last)."""
+        if not self.is_initialized:
+            return
+        batch = rows.shape[0]
+        for buffer in (self.key_buffer, self.value_buffer):
+            moved = buffer[:batch, :, self.length + source]  # [B, H, D]
+            kept = buffer[:batch, :, self.length + target]
+            kept.copy_(torch.where(rows[:, None, None], moved, kept))
+
 
 class PreallocatedCache(Cache):
     """A `Cache` of `PreallocatedLayer`s, one per layer of the model; see the module docstring.
@@ -176,3 +187,8 @@ class PreallocatedCache(Cache):
         """Keeps, per row, the used columns `index` (`[B, L]`) in every layer."""
         for layer in self.layers:
             layer.gather_columns(index)
+
+    def move_column(self, rows: torch.BoolTensor, source: int, target: int) -> None:
+        """`PreallocatedLayer.move_column` in every layer."""
+        for layer in self.layers:
+            layer.move_column(rows, source, target)

@@ -31,6 +31,13 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import LOOKUP, AcceptanceTable
 from .admission import Admissions, slot_bytes
+from .alternatives import (
+    alternative_tokens,
+    branch_mask,
+    check_alternative_draft,
+    move_alternatives,
+    take_alternatives,
+)
 from .batch import RaggedBatch
 from .caching import PreallocatedCache, cache_capacity
 from .committing import Committer, pad_token_id
@@ -87,6 +94,7 @@ class _Loop:
     selector: TokenSelector
     reads: HostReads
     compaction_hole_fraction: float
+    room: int  # cache columns a step may add: k + 1, and one for the alternative draft
     stats: SpecStats
     finished_rows: FinishedRows
 
@@ -136,7 +144,7 @@ def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], row
     batch.refresh(loop.reads)
     loop.finished_rows.report(batch, loop.stats, loop.reads)
     proposal, source_states = _retire_rows(batch, caches, loop.proposer, proposal, source_states)
-    _maybe_compact(batch, caches, loop.proposer, loop.compaction_hole_fraction, loop.proposer.num_draft_tokens + 1)
+    _maybe_compact(batch, caches, loop.proposer, loop.compaction_hole_fraction, loop.room)
     return proposal, source_states
 
 
@@ -292,7 +300,11 @@ def _decode(
     if not isinstance(given, DynamicCache) or given.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
     selector = TokenSelector(bool(generation_config.do_sample), seeds)
+    processor = RaggedLogitsProcessor(logits_processor)
+    if speculation.alternative_draft:
+        check_alternative_draft(model, processor, selector.do_sample)
     k = proposer.num_draft_tokens
+    room = k + 1 + speculation.alternative_draft
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     capacity = cache_capacity(input_ids.shape[1], max_new_tokens, k)
     mask = model_kwargs.get("attention_mask")
@@ -303,14 +315,14 @@ def _decode(
     cache = PreallocatedCache.like(given, model.config.get_text_config().num_hidden_layers, capacity)
     batch = RaggedBatch.start(input_ids, mask, max_new_tokens + k + 1, pad_token_id(generation_config))
     stats = proposer.stats = SpecStats(num_draft_tokens=k)
-    loop = _Loop(model, given, proposer, scheduler, RaggedLogitsProcessor(logits_processor),
+    loop = _Loop(model, given, proposer, scheduler, processor,
                  Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer), layers,
                  companion, proposer.hidden_state_indices | _companion_state(model, companion), selector, HostReads(),
-                 speculation.compaction_hole_fraction, stats, FinishedRows(row_finished))
+                 speculation.compaction_hole_fraction, room, stats, FinishedRows(row_finished))
     proposer.start(capacity)
     caches = _caches(cache, proposer)
     clock = StepClock(input_ids.device)
-    processor, commit, reads, hidden_state_indices = loop.processor, loop.commit, loop.reads, loop.hidden_state_indices
+    commit, reads, hidden_state_indices = loop.commit, loop.reads, loop.hidden_state_indices
     if speculative_streamer is not None:
         speculative_streamer.put(input_ids.cpu())
 
@@ -335,15 +347,23 @@ def _decode(
         width = max(counts.tolist())  # drafts fed per row this step (counts are on the host)
         num_drafts = counts.to(last_committed.device, non_blocking=True).masked_fill(batch.finished, 0)
         scheduler.stepped(proposed)
+        alternatives = (alternative_tokens(proposal.logits[:, 0], draft_ids[:, 0])
+                        if speculation.alternative_draft and width and proposal.drafted else None)
         draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
-        attention_mask, position_ids = batch.step_inputs(width + 1)
+        num_inputs = width + 1 + (alternatives is not None)
+        attention_mask, position_ids = batch.step_inputs(num_inputs)
         verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
+        if alternatives is not None:  # one more input per row: slot 1's second-best token, a branch of its own
+            step_ids = torch.cat([step_ids, alternatives[:, None]], dim=1)
+            attention_mask = branch_mask(attention_mask, num_inputs, model.dtype)
+            position_ids[:, -1] = position_ids[:, 1]
+            verified = torch.cat([verified, counts[:, None] > 0], dim=1)
         with layers.speedups(), layers.packed(verified, speculation.packed_verification):
             output = target_forward(
                 model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, logits_to_keep=0
             )
-        target_scores = processor(batch, output.logits)  # [B, width + 1, V]; drafts already in the scratch space
+        target_scores = processor(batch, output.logits[:, : width + 1])  # [B, width + 1, V]; drafts in the scratch
         if selector.rejection_sampling:
             target_probs = target_scores.softmax(-1)
             q = draft_distributions(draft_ids, sources, draft_probs, target_probs.shape[-1])
@@ -354,9 +374,14 @@ def _decode(
                                                  speculation.kernel_backend)
         if estimator is not None and predicted is not None:
             estimator.observe(num_accepted, num_drafts)
+        if alternatives is not None:
+            after_alternative = processor(batch, output.logits[:, -1:]).argmax(-1)[:, 0]
+            tokens, num_accepted, taken = take_alternatives(tokens, num_accepted, alternatives, after_alternative,
+                                                            num_drafts > 0)
+            output["hidden_states"] = move_alternatives(cache, output.hidden_states, taken, num_inputs)
         live = ~batch.finished
         stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted, live)
-        batch.commit_cache((num_accepted + 1) * live, width + 1)
+        batch.commit_cache((num_accepted + 1) * live, num_inputs)
         batch.finished = commit(batch, tokens, num_accepted + 1)
         step_size = batch.size
         clock.mark()
@@ -365,7 +390,7 @@ def _decode(
         step_counts = batch.refresh(reads, num_drafts.sum(), num_accepted.sum(), live.sum())
         loop.finished_rows.report(batch, stats, reads)
         proposal, source_states = _retire_rows(batch, caches, proposer, proposal, source_states)
-        _maybe_compact(batch, caches, proposer, speculation.compaction_hole_fraction, k + 1)
+        _maybe_compact(batch, caches, proposer, speculation.compaction_hole_fraction, room)
         clock.lap(("step", step_size, width, step_counts, proposed, None if proposal is None else proposal.drafted))
 
     _observe(clock, scheduler, stats, profile)

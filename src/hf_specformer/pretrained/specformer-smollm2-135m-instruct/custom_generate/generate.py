@@ -48,6 +48,11 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         as with `max_batch_size`. ValueError if not even one row fits. Default None: no budget.
     row_finished: called with a `FinishedRow` (row index, generated tokens, steps, accepted drafts) as each row
         ends, so that a caller can use a row's answer before the call returns (`finishing.py`). Default None.
+    alternative_draft: each step that verifies drafts also verifies the drafter's second-best token for the first
+        draft, as a branch of its own (a two-branch draft tree, `alternatives.py`): where the first draft is
+        rejected and the alternative is the target's token, the token after it is committed too. Greedy decoding
+        only (ValueError with sampling, with logits processors that read the prefix, or with attention other than
+        `sdpa`/`eager`). Default False.
     sampling_seeds: one int per row (after `num_return_sequences`), with `do_sample=True`: each row's text then
         depends only on its seed, prompt and the model, not on its batch or its drafts (`seeding.py`: Gumbel-max
         sampling with per-row noise, verified greedily); the call always runs the engine. Default None: torch's
@@ -234,6 +239,7 @@ def generate(
     memory_budget: int | None = None,
     row_finished=None,
     sampling_seeds=None,
+    alternative_draft: bool = False,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -245,7 +251,7 @@ def generate(
         config, num_draft_tokens, lookup_ngram_size, confidence_threshold, schedule,
         compaction_hole_fraction=compaction_hole_fraction, step_costs=step_costs, cpu_speedups=cpu_speedups,
         packed_verification=packed_verification, cost_feedback=cost_feedback, kernel_backend=kernel_backend,
-        max_batch_size=max_batch_size, memory_budget=memory_budget,
+        max_batch_size=max_batch_size, memory_budget=memory_budget, alternative_draft=alternative_draft,
     )
     generation_config = _without(generation_config, kwargs, TRANSFORMERS_NAMES)
     input_ids = inputs if inputs is not None else unused.get("input_ids")

@@ -1,0 +1,122 @@
+"""The alternative draft (`alternatives.py`): slot 1's second-best token verified as a branch of its own. Greedy output
+equals plain `generate` token for token, and a drafter whose first choice is wrong where its second is right gains a
+token per step from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, make_drafter, make_target
+from helpers import PAD, assert_same_as_generate, make_batch, noisy_oracle
+
+from hf_specformer import OracleProposer, generate
+from hf_specformer.generation.alternatives import alternative_tokens, branch_mask, take_alternatives
+from hf_specformer.generation.drafting import Proposal
+
+# name: (target kind, drafter, batch size, k, padded, eos, max_new_tokens)
+CASES = {
+    "llama-b1-k3-untrained": ("llama", "untrained", 1, 3, False, False, 16),
+    "llama-b3-k4-second-pad-eos": ("llama", "second", 3, 4, True, True, 24),
+    "llama-b8-k2-second-pad": ("llama", "second", 8, 2, True, False, 30),
+    "qwen3-b5-k4-untrained-pad-eos": ("qwen3", "untrained", 5, 4, True, True, 25),
+    "qwen3-b16-k3-second-pad-eos": ("qwen3", "second", 16, 3, True, True, 20),
+    "qwen3-b1-k1-second": ("qwen3", "second", 1, 1, False, False, 18),
+}
+
+
+class SecondChoiceOracle(OracleProposer):
+    """A noisy oracle whose slot-1 logits rank a wrong token first and the oracle's token second in a share `swap`
+    of its proposals (one-hot elsewhere): the chain then rejects its first draft and the alternative holds the
+    oracle's token."""
+
+    def __init__(self, continuations: torch.LongTensor, k: int, swap: float, seed: int = 0):
+        super().__init__(continuations, k, TINY_VOCAB, PAD)
+        self.swap = swap
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
+        logits = super().propose(batch, hidden_states, position_ids, source_index, draft).logits
+        if logits is None:
+            return Proposal()
+        right = logits[:, 0].argmax(-1)
+        wrong = (right + 1 + torch.randint(TINY_VOCAB - 1, right.shape, generator=self.generator)) % TINY_VOCAB
+        swapped = torch.rand(right.shape, generator=self.generator) < self.swap
+        first = logits[:, 0].clone()
+        first[swapped] = first[swapped].scatter(1, wrong[swapped, None], 1.0)  # above the right token's 0
+        logits[:, 0] = first
+        return Proposal(logits)
+
+
+def _eos(reference_new: torch.LongTensor, with_eos: bool):
+    return [int(reference_new[0, reference_new.shape[1] // 3])] if with_eos else None
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "goodput"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_with_the_alternative_draft_equals_generate(case, schedule):
+    kind, drafter_kind, batch_size, k, padded, with_eos, max_new = CASES[case]
+    target = make_target(kind)
+    input_ids, mask = make_batch(batch_size, seed=batch_size + k, padded=padded)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
+    new_tokens = reference[:, input_ids.shape[1]:]
+    eos = _eos(new_tokens, with_eos)
+    kwargs = dict(max_new_tokens=max_new, pad_token_id=PAD, **({"eos_token_id": eos} if eos else {}))
+    if drafter_kind == "untrained":
+        assistant, num_draft_tokens = make_drafter(target, draft_length=4), k
+    else:
+        assistant = SecondChoiceOracle(noisy_oracle(new_tokens, k, TINY_VOCAB, corrupt=0.2).continuations[:, :-(k + 1)],
+                                       k, swap=0.5)
+        num_draft_tokens = None
+    output = assert_same_as_generate(target, assistant, input_ids, mask, num_draft_tokens=num_draft_tokens,
+                                     lookup_ngram_size=0, schedule=schedule, alternative_draft=True, **kwargs)
+    assert sum(output.speculation_stats.width_counts) == output.speculation_stats.steps
+
+
+def test_the_alternative_commits_a_token_more_where_the_first_draft_is_wrong():
+    """Slot 1 always ranks a wrong token first: the chain alone commits one token per step, with the alternative two."""
+    target = make_target("llama")
+    input_ids, mask = make_batch(4, seed=3, padded=True)
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    tokens_per_step = {}
+    for alternative in (False, True):
+        oracle = SecondChoiceOracle(reference[:, input_ids.shape[1]:], 3, swap=1.0)
+        output = assert_same_as_generate(target, oracle, input_ids, mask, lookup_ngram_size=0, schedule="fixed",
+                                         max_new_tokens=30, pad_token_id=PAD, alternative_draft=alternative)
+        tokens_per_step[alternative] = output.speculation_stats.tokens_per_step
+    assert tokens_per_step[False] == 1.0
+    assert tokens_per_step[True] > 1.9, tokens_per_step
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"do_sample": True}, "do_sample=False"),
+    ({"repetition_penalty": 1.3}, "read the prefix"),
+])
+def test_the_alternative_draft_refuses_what_it_cannot_verify_exactly(kwargs, message):
+    target = make_target("llama")
+    input_ids, mask = make_batch(2, seed=0)
+    with pytest.raises(ValueError, match=message):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                 max_new_tokens=8, pad_token_id=PAD, alternative_draft=True, schedule="fixed", **kwargs)
+
+
+def test_branch_mask_hides_the_chains_drafts_from_the_alternative_only():
+    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 1]])  # 3 past columns, 4 inputs
+    allowed = branch_mask(attention_mask, 4, torch.float32)[:, 0] == 0  # [B, T, S + T]
+    chain = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]]).bool()
+    alternative = torch.tensor([1, 1, 1, 1, 0, 0, 1]).bool()
+    for row in range(2):
+        hidden = attention_mask[row].bool()
+        assert torch.equal(allowed[row, :3], chain & hidden)
+        assert torch.equal(allowed[row, 3], alternative & hidden)
+
+
+def test_alternative_tokens_and_taking_them():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0]])
+    alternatives = alternative_tokens(logits, torch.tensor([1, 3]))  # the first draft: the best, or a looked-up one
+    assert alternatives.tolist() == [2, 1]
+    tokens = torch.tensor([[2, -1, -1], [1, 3, -1], [0, -1, -1]])  # rejected, accepted one, rejected
+    taken_tokens, num_accepted, taken = take_alternatives(
+        tokens, torch.tensor([0, 1, 0]), torch.tensor([2, 2, 2]), torch.tensor([7, 7, 7]),
+        torch.tensor([True, True, True]))
+    assert taken.tolist() == [True, False, False] and num_accepted.tolist() == [1, 1, 0]
+    assert taken_tokens.tolist() == [[2, 7, -1], [1, 3, -1], [0, -1, -1]]
