@@ -32,8 +32,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import LOOKUP, AcceptanceTable
 from .admission import Admissions, slot_bytes
 from .alternatives import (
+    alternative_inputs,
     alternative_tokens,
-    branch_mask,
     check_alternative_draft,
     move_alternatives,
     take_alternatives,
@@ -355,10 +355,8 @@ def _decode(
         attention_mask, position_ids = batch.step_inputs(num_inputs)
         verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
         if alternatives is not None:  # one more input per row: slot 1's second-best token, a branch of its own
-            step_ids = torch.cat([step_ids, alternatives[:, None]], dim=1)
-            attention_mask = branch_mask(attention_mask, num_inputs, model.dtype)
-            position_ids[:, -1] = position_ids[:, 1]
-            verified = torch.cat([verified, counts[:, None] > 0], dim=1)
+            step_ids, attention_mask, position_ids, verified = alternative_inputs(
+                step_ids, attention_mask, position_ids, verified, alternatives, model.dtype)
         with layers.speedups(), layers.packed(verified, speculation.packed_verification):
             output = target_forward(
                 model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, logits_to_keep=0
@@ -375,7 +373,7 @@ def _decode(
         if estimator is not None and predicted is not None:
             estimator.observe(num_accepted, num_drafts)
         if alternatives is not None:
-            after_alternative = processor(batch, output.logits[:, -1:]).argmax(-1)[:, 0]
+            after_alternative = processor(batch, output.logits[:, -1:], offset=1).argmax(-1)[:, 0]
             tokens, num_accepted, taken = take_alternatives(tokens, num_accepted, alternatives, after_alternative,
                                                             num_drafts > 0)
             output["hidden_states"] = move_alternatives(cache, output.hidden_states, taken, num_inputs)

@@ -69,6 +69,18 @@ def branch_mask(attention_mask: torch.LongTensor, num_inputs: int, dtype: torch.
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def alternative_inputs(step_ids: torch.LongTensor, attention_mask: torch.LongTensor, position_ids: torch.LongTensor,
+                       verified: torch.BoolTensor, alternatives: torch.LongTensor, dtype: torch.dtype):
+    """A step's inputs (ids `[B, T - 1]`: committed token and drafts; from `RaggedBatch.step_inputs(T)` the 2D mask
+    `[B, S + T]` and positions `[B, T]`; `verified` `[B, T - 1]` on the host) with each row's alternative `[B]`
+    appended as input T - 1 -> (ids `[B, T]`, the 4D mask `branch_mask`, positions with the alternative at slot 1's,
+    verified `[B, T]`: the alternative where the row verifies drafts)."""
+    step_ids = torch.cat([step_ids, alternatives[:, None]], dim=1)
+    position_ids = torch.cat([position_ids[:, :-1], position_ids[:, 1:2]], dim=1)
+    verified = torch.cat([verified, verified[:, 1:2]], dim=1)
+    return step_ids, branch_mask(attention_mask, step_ids.shape[1], dtype), position_ids, verified
+
+
 def take_alternatives(tokens: torch.LongTensor, num_accepted: torch.LongTensor, alternatives: torch.LongTensor,
                       after_alternative: torch.LongTensor, offered: torch.BoolTensor):
     """A chain's greedy verification (`verify_greedy`: tokens `[B, w + 1]`, num_accepted `[B]`) with the rows'
