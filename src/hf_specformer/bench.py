@@ -17,8 +17,9 @@ engine apart from drafter quality. A drafter can also be measured with prompt lo
 Every drafter mode runs under each schedule asked for (`--schedules`): `fixed` (every row verifies k drafts),
 `goodput` (the goodput scheduler on the drafter's own confidence, packed steps), `padded` (the same over padded
 steps of one width, `packed_verification=False`) and, with `--companion DIR`, `companion` (the goodput scheduler on
-Speculative Verification's (S, A) from the companion); `alternative` is `goodput` with `alternative_draft=True`
-(slot 1's second-best token verified too, `generation/alternatives.py`). `goodput` runs as `generate` does by default: from the step
+Speculative Verification's (S, A) from the companion); `alternative` and `alternative-3` are `goodput` with
+`alternative_draft=1` or `3` (slot 1's second-best token, then the drafts after it, verified as a branch of their
+own, `generation/alternatives.py`). `goodput` runs as `generate` does by default: from the step
 costs cached on this machine, if any, else learnt from its own steps (the first call at a batch size pays for that,
 as a user's would). `costs-x0.5`, `costs-x2` and `plain-x2` give the goodput scheduler a profile measured before
 any timing (`measure_step_costs`) and deliberately made wrong: every cost halved, doubled, or only the plain step's
@@ -103,7 +104,8 @@ SCHEDULE_KWARGS = {"fixed": {"schedule": "fixed"}, "goodput": {"schedule": "good
                    "companion": {"schedule": "goodput"},
                    "costs-x0.5": {"schedule": "goodput"}, "costs-x2": {"schedule": "goodput"},
                    "plain-x2": {"schedule": "goodput"},
-                   "alternative": {"schedule": "goodput", "alternative_draft": True}}
+                   "alternative": {"schedule": "goodput", "alternative_draft": 1},
+                   "alternative-3": {"schedule": "goodput", "alternative_draft": 3}}
 """Bench schedule -> `generate` arguments (`companion` adds the companion model, the `WRONG_COSTS` schedules a
 deliberately wrong profile)."""
 

@@ -17,9 +17,9 @@ floating-point rounding: a gap above `MAX_GAP` means the live path computes some
 a bug to find, not a data problem. `--with-lookup` adds a live run with prompt lookup on top of the drafter, and
 `--with-suffix` one with prompt lookup and cross-request suffix drafts (`generation/suffix.py`) from one
 `SuffixIndex` for the whole evaluation, which holds what that run generated for the prompts before (never the
-plain answers, so nothing is drafted from the text being scored). `--with-alternative` repeats each live run with
-`alternative_draft=True` (slot 1's second-best token verified as a branch of its own, `generation/alternatives.py`),
-each with a suffix index of its own.
+plain answers, so nothing is drafted from the text being scored). `--alternative-draft N` repeats each live run with
+`alternative_draft=N` (slot 1's second-best token, then the drafts after it, verified as a branch of their own,
+`generation/alternatives.py`), each with a suffix index of its own.
 
 Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
 each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
@@ -79,7 +79,7 @@ class LiveTally:
 
 
 def _live(target, drafter, input_ids: torch.LongTensor, k: int, max_new_tokens: int, lookup_ngram_size: int,
-          suffix_index: SuffixIndex | None, alternative_draft: bool):
+          suffix_index: SuffixIndex | None, alternative_draft: int):
     return generate(target, input_ids=input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
                     num_draft_tokens=k, lookup_ngram_size=lookup_ngram_size, suffix_index=suffix_index,
                     alternative_draft=alternative_draft, schedule="fixed", max_new_tokens=max_new_tokens,
@@ -96,7 +96,7 @@ ALTERNATIVE = "_alternative"
 """Suffix of a live run's key with `alternative_draft=True` (`generation/alternatives.py`)."""
 
 
-def _live_runs(with_lookup: bool, with_suffix: bool, with_alternative: bool, lookup_ngram_size: int) -> dict:
+def _live_runs(with_lookup: bool, with_suffix: bool, alternative_draft: int, lookup_ngram_size: int) -> dict:
     """The live runs asked for: report key -> (prompt lookup's n-gram size, suffix index, alternative draft)."""
     runs = {"live": (0, None)}
     if with_lookup:
@@ -104,20 +104,21 @@ def _live_runs(with_lookup: bool, with_suffix: bool, with_alternative: bool, loo
     if with_suffix:
         runs["live_suffix"] = (lookup_ngram_size, SuffixIndex())
     twins = {run + ALTERNATIVE: (ngram, None if index is None else SuffixIndex())
-             for run, (ngram, index) in runs.items()} if with_alternative else {}
-    return {run: (*settings, run.endswith(ALTERNATIVE)) for run, settings in {**runs, **twins}.items()}
+             for run, (ngram, index) in runs.items()} if alternative_draft else {}
+    return {run: (*settings, alternative_draft if run.endswith(ALTERNATIVE) else 0)
+            for run, settings in {**runs, **twins}.items()}
 
 
 @torch.no_grad()
 def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str], num_draft_tokens: int,
                      max_new_tokens: int, eos_token_ids: set[int], with_lookup: bool = False,
-                     with_suffix: bool = False, with_alternative: bool = False, lookup_ngram_size: int = 4) -> dict:
+                     with_suffix: bool = False, alternative_draft: int = 0, lookup_ngram_size: int = 4) -> dict:
     """Teacher-forced and live acceptance of `drafter` on the target's greedy answers to `prompts` (token ids), per
     group and over `"all"`: `{group: {"num_prompts", "teacher_forced": {...}, "live": {...}, "live_lookup": {...},
     "live_suffix": {...}, "gap"}}` (`gap`: the largest |live - teacher-forced| slot acceptance)."""
     k = num_draft_tokens
     texts: dict[str, list[dict]] = {}
-    runs = _live_runs(with_lookup, with_suffix, with_alternative, lookup_ngram_size)
+    runs = _live_runs(with_lookup, with_suffix, alternative_draft, lookup_ngram_size)
     tallies: dict[str, dict[str, LiveTally]] = {run: {} for run in runs}
     for prompt, group in zip(tqdm(prompts, desc="prompts"), groups):
         ids = torch.tensor([prompt], device=target.device)
@@ -194,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-lookup", action="store_true", help="also a live run with prompt lookup")
     parser.add_argument("--with-suffix", action="store_true",
                         help="also a live run with prompt lookup and cross-request suffix drafts")
-    parser.add_argument("--with-alternative", action="store_true",
-                        help="each live run also with the alternative draft (slot 1's second-best token verified too)")
+    parser.add_argument("--alternative-draft", type=int, default=0,
+                        help="each live run also with a branch of N: slot 1's second-best token, then the drafts "
+                             "after it, verified too (0: none)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default="bench/drafter_eval", help="writes OUTPUT.json and OUTPUT.png")
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = evaluate_drafter(target, drafter, [chat_prompt_ids(tokenizer, prompt) for prompt in prompts], groups,
                               args.num_draft_tokens, args.max_new_tokens, eos_token_ids(target, tokenizer),
                               with_lookup=args.with_lookup, with_suffix=args.with_suffix,
-                              with_alternative=args.with_alternative)
+                              alternative_draft=args.alternative_draft)
     print(table(report))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""The alternative draft (`alternatives.py`): slot 1's second-best token verified as a branch of its own. Greedy output
-equals plain `generate` token for token, and a drafter whose first choice is wrong where its second is right gains a
-token per step from it."""
+"""The alternative draft (`alternatives.py`): slot 1's second-best token, then the drafts after it, verified as a branch
+of their own. Greedy output equals plain `generate` token for token, and a drafter whose first choice is wrong where
+its second is right gains the branch's tokens per step."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ from conftest import TINY_VOCAB, make_drafter, make_target
 from helpers import PAD, assert_same_as_generate, make_batch, noisy_oracle
 
 from hf_specformer import OracleProposer, generate
-from hf_specformer.generation.alternatives import alternative_tokens, branch_mask, take_alternatives
+from hf_specformer.generation.alternatives import alternative_branch, branch_mask, take_alternatives
 from hf_specformer.generation.drafting import Proposal
 
-# name: (target kind, drafter, batch size, k, padded, eos, max_new_tokens)
+# name: (target kind, drafter, batch size, k, branch length, padded, eos, max_new_tokens)
 CASES = {
-    "llama-b1-k3-untrained": ("llama", "untrained", 1, 3, False, False, 16),
-    "llama-b3-k4-second-pad-eos": ("llama", "second", 3, 4, True, True, 24),
-    "llama-b8-k2-second-pad": ("llama", "second", 8, 2, True, False, 30),
-    "qwen3-b5-k4-untrained-pad-eos": ("qwen3", "untrained", 5, 4, True, True, 25),
-    "qwen3-b16-k3-second-pad-eos": ("qwen3", "second", 16, 3, True, True, 20),
-    "qwen3-b1-k1-second": ("qwen3", "second", 1, 1, False, False, 18),
+    "llama-b1-k3-n1-untrained": ("llama", "untrained", 1, 3, 1, False, False, 16),
+    "llama-b3-k4-n3-second-pad-eos": ("llama", "second", 3, 4, 3, True, True, 24),
+    "llama-b8-k2-n1-second-pad": ("llama", "second", 8, 2, 1, True, False, 30),
+    "llama-b4-k3-n3-untrained-pad": ("llama", "untrained", 4, 3, 3, True, False, 20),
+    "qwen3-b5-k4-n2-untrained-pad-eos": ("qwen3", "untrained", 5, 4, 2, True, True, 25),
+    "qwen3-b16-k3-n3-second-pad-eos": ("qwen3", "second", 16, 3, 3, True, True, 20),
+    "qwen3-b1-k1-n4-second": ("qwen3", "second", 1, 1, 4, False, False, 18),
 }
 
 
@@ -54,7 +55,7 @@ def _eos(reference_new: torch.LongTensor, with_eos: bool):
 @pytest.mark.parametrize("schedule", ["fixed", "goodput"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_with_the_alternative_draft_equals_generate(case, schedule):
-    kind, drafter_kind, batch_size, k, padded, with_eos, max_new = CASES[case]
+    kind, drafter_kind, batch_size, k, branch_length, padded, with_eos, max_new = CASES[case]
     target = make_target(kind)
     input_ids, mask = make_batch(batch_size, seed=batch_size + k, padded=padded)
     reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
@@ -68,55 +69,63 @@ def test_greedy_with_the_alternative_draft_equals_generate(case, schedule):
                                        k, swap=0.5)
         num_draft_tokens = None
     output = assert_same_as_generate(target, assistant, input_ids, mask, num_draft_tokens=num_draft_tokens,
-                                     lookup_ngram_size=0, schedule=schedule, alternative_draft=True, **kwargs)
+                                     lookup_ngram_size=0, schedule=schedule, alternative_draft=branch_length,
+                                     **kwargs)
     assert sum(output.speculation_stats.width_counts) == output.speculation_stats.steps
 
 
-def test_the_alternative_commits_a_token_more_where_the_first_draft_is_wrong():
-    """Slot 1 always ranks a wrong token first: the chain alone commits one token per step, with the alternative two."""
+def test_the_branch_commits_its_tokens_where_the_first_draft_is_wrong():
+    """Slot 1 always ranks a wrong token first, slots 2 and 3 are right: the chain alone commits one token per step,
+    with a branch of 1 two, with a branch of 3 all four (k = 3)."""
     target = make_target("llama")
     input_ids, mask = make_batch(4, seed=3, padded=True)
     reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
     tokens_per_step = {}
-    for alternative in (False, True):
+    for alternative in (0, 1, 3):
         oracle = SecondChoiceOracle(reference[:, input_ids.shape[1]:], 3, swap=1.0)
         output = assert_same_as_generate(target, oracle, input_ids, mask, lookup_ngram_size=0, schedule="fixed",
                                          max_new_tokens=30, pad_token_id=PAD, alternative_draft=alternative)
         tokens_per_step[alternative] = output.speculation_stats.tokens_per_step
-    assert tokens_per_step[False] == 1.0
-    assert tokens_per_step[True] > 1.9, tokens_per_step
+    assert tokens_per_step[0] == 1.0
+    assert tokens_per_step[1] > 1.9 and tokens_per_step[3] > 3.5, tokens_per_step
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"do_sample": True}, "do_sample=False"),
     ({"repetition_penalty": 1.3}, "read the prefix"),
+    ({"alternative_draft": -1}, "alternative_draft=-1"),
 ])
 def test_the_alternative_draft_refuses_what_it_cannot_verify_exactly(kwargs, message):
     target = make_target("llama")
     input_ids, mask = make_batch(2, seed=0)
     with pytest.raises(ValueError, match=message):
         generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
-                 max_new_tokens=8, pad_token_id=PAD, alternative_draft=True, schedule="fixed", **kwargs)
+                 max_new_tokens=8, pad_token_id=PAD, schedule="fixed", **{"alternative_draft": True, **kwargs})
 
 
-def test_branch_mask_hides_the_chains_drafts_from_the_alternative_only():
-    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 1]])  # 3 past columns, 4 inputs
-    allowed = branch_mask(attention_mask, 4, torch.float32)[:, 0] == 0  # [B, T, S + T]
-    chain = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]]).bool()
-    alternative = torch.tensor([1, 1, 1, 1, 0, 0, 1]).bool()
+def test_branch_mask_hides_the_chains_drafts_from_the_branch_only():
+    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 1, 1]])  # 3 past columns, 5 inputs
+    allowed = branch_mask(attention_mask, 5, 3, torch.float32)[:, 0] == 0  # [B, T, S + T]: a chain of 3, a branch of 2
+    chain = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]).bool()
+    branch = torch.tensor([[1, 1, 1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 0, 0, 1, 1]]).bool()
     for row in range(2):
         hidden = attention_mask[row].bool()
         assert torch.equal(allowed[row, :3], chain & hidden)
-        assert torch.equal(allowed[row, 3], alternative & hidden)
+        assert torch.equal(allowed[row, 3:], branch & hidden)
 
 
-def test_alternative_tokens_and_taking_them():
+def test_alternative_branch_and_taking_it():
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0]])
-    alternatives = alternative_tokens(logits, torch.tensor([1, 3]))  # the first draft: the best, or a looked-up one
-    assert alternatives.tolist() == [2, 1]
-    tokens = torch.tensor([[2, -1, -1], [1, 3, -1], [0, -1, -1]])  # rejected, accepted one, rejected
-    taken_tokens, num_accepted, taken = take_alternatives(
-        tokens, torch.tensor([0, 1, 0]), torch.tensor([2, 2, 2]), torch.tensor([7, 7, 7]),
-        torch.tensor([True, True, True]))
-    assert taken.tolist() == [True, False, False] and num_accepted.tolist() == [1, 1, 0]
-    assert taken_tokens.tolist() == [[2, 7, -1], [1, 3, -1], [0, -1, -1]]
+    drafts = torch.tensor([[1, 5, 6], [3, 5, 6]])  # the first draft: the best, or a looked-up one
+    assert alternative_branch(logits, drafts, 1).tolist() == [[2], [1]]
+    assert alternative_branch(logits, drafts, 3).tolist() == [[2, 5, 6], [1, 5, 6]]
+    # rows: first draft rejected (branch taken, 2 of its 3 accepted); accepted (chain kept); rejected with an
+    # alternative other than the correction; taken but verifying 1 draft only; finished (verifies none)
+    tokens = torch.tensor([[2, -1, -1, -1], [1, 3, -1, -1], [0, -1, -1, -1], [2, -1, -1, -1], [2, -1, -1, -1]])
+    branch = torch.tensor([[2, 5, 6]] * 5)
+    predictions = torch.tensor([[5, 9, 4]] * 5)  # after 2 the target says 5 (= the branch), after 5 it says 9
+    taken_tokens, num_accepted, taken = take_alternatives(tokens, torch.tensor([0, 1, 0, 0, 0]), branch, predictions,
+                                                          torch.tensor([3, 3, 3, 1, 0]))
+    assert taken.tolist() == [True, False, False, True, False] and num_accepted.tolist() == [2, 1, 0, 1, 0]
+    assert taken_tokens.tolist() == [[2, 5, 9, -1], [1, 3, -1, -1], [0, -1, -1, -1], [2, 5, -1, -1],
+                                     [2, -1, -1, -1]]

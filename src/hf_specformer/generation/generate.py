@@ -48,11 +48,11 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         as with `max_batch_size`. ValueError if not even one row fits. Default None: no budget.
     row_finished: called with a `FinishedRow` (row index, generated tokens, steps, accepted drafts) as each row
         ends, so that a caller can use a row's answer before the call returns (`finishing.py`). Default None.
-    alternative_draft: each step that verifies drafts also verifies the drafter's second-best token for the first
-        draft, as a branch of its own (a two-branch draft tree, `alternatives.py`): where the first draft is
-        rejected and the alternative is the target's token, the token after it is committed too. Greedy decoding
-        only (ValueError with sampling, with logits processors that read the prefix, or with attention other than
-        `sdpa`/`eager`). Default False.
+    alternative_draft: n > 0 (True: 1): each step that verifies drafts also verifies a branch of n inputs, the
+        drafter's second-best first draft then its drafts for slots 2 .. n (a two-branch draft tree,
+        `alternatives.py`): where the first draft is rejected and the alternative is the target's token, the
+        branch is verified like a chain. Greedy decoding only (ValueError with sampling, with logits processors
+        that read the prefix, or with attention other than `sdpa`/`eager`). Default 0: off.
     sampling_seeds: one int per row (after `num_return_sequences`), with `do_sample=True`: each row's text then
         depends only on its seed, prompt and the model, not on its batch or its drafts (`seeding.py`: Gumbel-max
         sampling with per-row noise, verified greedily); the call always runs the engine. Default None: torch's
@@ -239,7 +239,7 @@ def generate(
     memory_budget: int | None = None,
     row_finished=None,
     sampling_seeds=None,
-    alternative_draft: bool = False,
+    alternative_draft: int = 0,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""

@@ -54,8 +54,8 @@ class SpeculationConfig:
             running rows finish (continuous batching, `admission.py`).
         memory_budget: bytes the decoding rows' state may take (caches, vocabulary-wide tensors, prefill states;
             `admission.slot_bytes`); the slots are then at most as many as fit. None: no budget.
-        alternative_draft: each step that verifies drafts also verifies slot 1's second-best token as a branch of
-            its own (`alternatives.py`; greedy decoding only).
+        alternative_draft: n > 0 (True: 1): each step that verifies drafts also verifies a branch of n inputs,
+            slot 1's second-best token then the drafts of slots 2 .. n (`alternatives.py`; greedy decoding only).
     """
 
     num_draft_tokens: int | None = None
@@ -70,7 +70,7 @@ class SpeculationConfig:
     kernel_backend: str | None = None
     max_batch_size: int | None = None
     memory_budget: int | None = None
-    alternative_draft: bool = False
+    alternative_draft: int = 0
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "lookup_ngram_size"):
@@ -92,6 +92,8 @@ class SpeculationConfig:
             raise ValueError("confidence_threshold applies to schedule='fixed'; the goodput scheduler sets its own.")
         if self.kernel_backend not in (None, *KERNEL_BACKENDS):
             raise ValueError(f"kernel_backend={self.kernel_backend!r} must be one of {KERNEL_BACKENDS}.")
+        if not isinstance(self.alternative_draft, int) or self.alternative_draft < 0:
+            raise ValueError(f"alternative_draft={self.alternative_draft!r} must be an int >= 0 (True: 1, 0: off).")
         for name in ("max_batch_size", "memory_budget"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
