@@ -129,3 +129,16 @@ def test_alternative_branch_and_taking_it():
     assert taken.tolist() == [True, False, False, True, False] and num_accepted.tolist() == [2, 1, 0, 1, 0]
     assert taken_tokens.tolist() == [[2, 5, 9, -1], [1, 3, -1, -1], [0, -1, -1, -1], [2, 5, -1, -1],
                                      [2, -1, -1, -1]]
+
+
+def test_a_call_with_the_branch_does_not_cache_the_costs_it_learnt():
+    """Its steps fed more inputs than their widths say, so a later call without it starts from no costs."""
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    input_ids, mask = make_batch(3, seed=4)
+    kwargs = dict(step_costs=None, max_new_tokens=20, pad_token_id=PAD)
+    assert_same_as_generate(target, drafter, input_ids, mask, alternative_draft=2, **kwargs)
+    later = assert_same_as_generate(target, drafter, input_ids, mask, **kwargs).speculation_stats
+    assert later.predicted_seconds_per_step_by_width == [0.0] * (later.num_draft_tokens + 1)
+    again = assert_same_as_generate(target, drafter, input_ids, mask, **kwargs).speculation_stats
+    assert again.predicted_seconds_per_step_by_width[0] > 0  # the call without the branch cached its costs

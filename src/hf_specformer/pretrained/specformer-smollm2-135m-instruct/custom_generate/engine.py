@@ -258,7 +258,8 @@ def speculative_decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
             speculation, scheduler, estimator, companion, layers, profile, row_finished, seeds, model_kwargs,
         )
-    if speculation.step_costs is None:
+    # A call with the alternative draft learns the costs of steps that fed more inputs than their widths say.
+    if speculation.step_costs is None and not speculation.alternative_draft:
         remember_costs(scheduler, model, proposer, layers.cpu_speedups, slots)
     return output
 
