@@ -26,8 +26,9 @@ chain's. Greedy decoding without per-row seeds only (sampling would need multi-d
 processors that do not read the prefix (the branch's prefix is not the chain's), and attention that takes a 4D mask
 (`sdpa`, `eager`); the engine refuses the rest. The goodput scheduler's step costs and acceptance estimates do not
 count the branch (a call with it learns its own steps' costs but does not cache them for later calls). On the CPU
-testbed at B = 1 a step's fifth input costs about 10 ms against 31 ms for four, so the branch pays there only within
-four inputs (k = 2 and a branch of 1); it is meant for hardware where a step's extra inputs are nearly free.
+testbed at B = 1 a step's fifth input costs about 10 ms against 31 ms for four, so the branch does not pay there
+(within four inputs, k = 2 and a branch of 1, it breaks even); it is meant for hardware where a step's extra inputs
+are nearly free.
 """
 
 from __future__ import annotations
