@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     speculation.add_argument("--suffix-index-tokens", type=int, default=0,
                              help="cross-request suffix drafts from the prompts and answers this process has seen, "
                              "keeping at most this many tokens (0: off; e.g. 65536)")
+    speculation.add_argument("--alternative-draft", type=int, default=0,
+                             help="greedy: also verify a branch of N, the drafter's second-best first draft then its "
+                                  "next N - 1 drafts (0: off; it pays only where a step's extra inputs are cheap)")
     return parser
 
 
@@ -262,6 +265,8 @@ def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> 
         speculation["companion_model"] = load_companion(args.companion, target)
     if args.suffix_index_tokens:
         speculation["suffix_index"] = SuffixIndex(args.suffix_index_tokens)  # one per process, for every batch
+    if args.alternative_draft:
+        speculation["alternative_draft"] = args.alternative_draft
     return speculation
 
 
