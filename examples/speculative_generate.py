@@ -6,7 +6,8 @@
    which runs the drafter folder's `custom_generate/generate.py` (works without installing hf-specformer).
 2. Package style: `hf_specformer.generate(target, ..., assistant_model=draft)`.
 Both give exactly the target's own greedy output. Prompt lookup runs on top of the drafter by default;
-`lookup_ngram_size=0` drafts with the drafter alone.
+`lookup_ngram_size=0` drafts with the drafter alone, and `alternative_draft=1` also verifies the drafter's
+second-best first draft as a branch of its own (more tokens per step, one more input each step; greedy only).
 """
 
 import torch
@@ -37,9 +38,14 @@ print(f"identical to plain generate; tokens per target forward: {stats.tokens_pe
       f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}, "
       f"drafts from prompt lookup: {stats.looked_up}")
 drafter_only = hf_specformer.generate(target, **inputs, assistant_model=draft, max_new_tokens=64, do_sample=False,
-                                      lookup_ngram_size=0, return_dict_in_generate=True)
+                                      lookup_ngram_size=0, schedule="fixed", return_dict_in_generate=True)
 assert torch.equal(drafter_only.sequences, plain)
-print(f"drafter alone: tokens per target forward {drafter_only.speculation_stats.tokens_per_step:.2f}")
+print(f"drafter alone, k every step: tokens per target forward {drafter_only.speculation_stats.tokens_per_step:.2f}")
+with_branch = hf_specformer.generate(target, **inputs, assistant_model=draft, max_new_tokens=64, do_sample=False,
+                                     lookup_ngram_size=0, alternative_draft=1, schedule="fixed",
+                                     return_dict_in_generate=True)
+assert torch.equal(with_branch.sequences, plain)
+print(f"the same with the alternative draft: {with_branch.speculation_stats.tokens_per_step:.2f}")
 for row in tokenizer.batch_decode(hub_style.sequences[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True):
     print("-", row.strip()[:200])
 
