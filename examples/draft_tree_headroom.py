@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -94,7 +95,7 @@ def plot(report: dict, path: Path) -> None:
         axis.bar([i + offset * width for i in range(len(names))], [result["kappa"][n] for n in names], width,
                  label=f"{text_name} ({result['num_texts']} texts)")
     axis.set_xticks([i + width * (len(report["texts"]) - 1) / 2 for i in range(len(names))],
-                    [f"{n}\n{report['nodes'][n]} nodes" for n in names], fontsize=7)
+                    [f"{textwrap.fill(n, 24)}\n{report['nodes'][n]} nodes" for n in names], fontsize=7)
     axis.set_ylim(1.0, None)
     axis.set_ylabel("teacher-forced kappa, k = 3")
     axis.set_title(f"Draft trees' headroom: {report['drafter']}", fontsize=9)

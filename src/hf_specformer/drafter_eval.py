@@ -159,25 +159,30 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Slot-1 acceptance and kappa per group, teacher-forced beside live."""
+    """Per group: slot-1 acceptance, teacher-forced beside live; kappa, teacher-forced beside every live run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = sorted(report, key=lambda name: (name == ALL, name))
+    runs = [run for run in LIVE_RUNS if run in report[names[0]]]
     positions = torch.arange(len(names)).float()
-    figure, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(names)), 4))
-    for axis, (title, forced, live) in zip(axes, [
-        ("slot-1 acceptance", lambda r: r["teacher_forced"]["slot_acceptance"][0],
-         lambda r: r["live"]["slot_acceptance"][0]),
-        ("kappa", lambda r: r["teacher_forced"]["kappa"][-1], lambda r: r["live"]["kappa"]),
-    ]):
-        axis.bar(positions - 0.2, [forced(report[n]) for n in names], 0.4, label="teacher-forced")
-        axis.bar(positions + 0.2, [live(report[n]) for n in names], 0.4, label="live")
+    figure, axes = plt.subplots(2, 1, figsize=(max(8, (0.8 + 0.25 * len(runs)) * len(names)), 8))
+    panels = [
+        ("slot-1 acceptance", {"teacher-forced": lambda r: r["teacher_forced"]["slot_acceptance"][0],
+                               "live": lambda r: r["live"]["slot_acceptance"][0]}),
+        ("kappa", {"teacher-forced": lambda r: r["teacher_forced"]["kappa"][-1],
+                   **{LIVE_RUNS[run].removeprefix("kappa "): lambda r, run=run: r[run]["kappa"] for run in runs}}),
+    ]
+    for axis, (title, bars) in zip(axes, panels):
+        width = 0.8 / len(bars)
+        for index, (label, value) in enumerate(bars.items()):
+            offset = (index - (len(bars) - 1) / 2) * width
+            axis.bar(positions + offset, [value(report[n]) for n in names], width, label=label)
         axis.set_xticks(positions.tolist(), names, rotation=45, ha="right")
         axis.set_title(title)
-        axis.legend()
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
