@@ -32,7 +32,9 @@ FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, we
               "vocab3more3": "the previous row, trained on from its weights on a fourth prompt set's 3,079 answers "
                              "(lr 2e-4, 2 epochs)",
               "vocab3more4": "the previous row, trained on from its weights on a fifth prompt set's 3,249 answers "
-                             "(lr 2e-4, 2 epochs)"}
+                             "(lr 2e-4, 2 epochs)",
+              "vocab3more5": "the previous row, trained on from its weights on a sixth prompt set's 2,042 answers "
+                             "(lr 2e-4, 2 epochs; not shipped)"}
 
 
 def held_out(run: Path) -> dict[str, list[float]]:
