@@ -93,20 +93,20 @@ LIVE_RUNS = {"live": "kappa live", "live_lookup": "kappa live + lookup", "live_s
 """Report key of each live run -> its table column."""
 
 ALTERNATIVE = "_alternative"
-"""Suffix of a live run's key with `alternative_draft=True` (`generation/alternatives.py`)."""
+"""Suffix of a live run's key with the alternative draft (`generation/alternatives.py`)."""
 
 
 def _live_runs(with_lookup: bool, with_suffix: bool, alternative_draft: int, lookup_ngram_size: int) -> dict:
     """The live runs asked for: report key -> (prompt lookup's n-gram size, suffix index, alternative draft)."""
-    runs = {"live": (0, None)}
+    runs = {"live": (0, None, 0)}
     if with_lookup:
-        runs["live_lookup"] = (lookup_ngram_size, None)
+        runs["live_lookup"] = (lookup_ngram_size, None, 0)
     if with_suffix:
-        runs["live_suffix"] = (lookup_ngram_size, SuffixIndex())
-    twins = {run + ALTERNATIVE: (ngram, None if index is None else SuffixIndex())
-             for run, (ngram, index) in runs.items()} if alternative_draft else {}
-    return {run: (*settings, alternative_draft if run.endswith(ALTERNATIVE) else 0)
-            for run, settings in {**runs, **twins}.items()}
+        runs["live_suffix"] = (lookup_ngram_size, SuffixIndex(), 0)
+    if alternative_draft:  # each run's twin, with a suffix index of its own
+        runs.update({run + ALTERNATIVE: (ngram, None if index is None else SuffixIndex(), alternative_draft)
+                     for run, (ngram, index, _) in list(runs.items())})
+    return runs
 
 
 @torch.no_grad()

@@ -47,13 +47,13 @@ it in on the CPU, `attention.GroupedQueryAttention`)."""
 def check_alternative_draft(model, processor, do_sample: bool) -> None:
     """Raises `ValueError` where the alternative would not be exact (see the module docstring)."""
     if do_sample:
-        raise ValueError("alternative_draft=True verifies a second first draft greedily: it needs do_sample=False.")
+        raise ValueError("alternative_draft verifies a second first draft greedily: it needs do_sample=False.")
     if processor.reads_prefix:
-        raise ValueError("alternative_draft=True needs logits processors that do not read the prefix (a repetition "
+        raise ValueError("alternative_draft needs logits processors that do not read the prefix (a repetition "
                          "penalty, for one, would score the alternative as if it followed the chain's drafts).")
     implementation = model.config._attn_implementation
     if implementation not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError("alternative_draft=True needs attention that takes a 4D mask (sdpa or eager); "
+        raise ValueError("alternative_draft needs attention that takes a 4D mask (sdpa or eager); "
                          f"the target uses {implementation!r}.")
 
 
