@@ -248,8 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
                              help="cross-request suffix drafts from the prompts and answers this process has seen, "
                              "keeping at most this many tokens (0: off; e.g. 65536)")
     speculation.add_argument("--alternative-draft", type=int, default=0,
-                             help="greedy: also verify a branch of N, the drafter's second-best first draft then its "
-                                  "next N - 1 drafts (0: off; it pays only where a step's extra inputs are cheap)")
+                             help="greedy: also verify branches of N, each one of the drafter's next-best first drafts "
+                                  "then its next N - 1 drafts (0: off; they pay only where a step's extra inputs are "
+                                  "cheap)")
+    speculation.add_argument("--num-alternatives", type=int, default=1,
+                             help="with --alternative-draft: the branches (slot 1's 2nd .. (C + 1)-th best tokens)")
     return parser
 
 
@@ -266,7 +269,7 @@ def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> 
     if args.suffix_index_tokens:
         speculation["suffix_index"] = SuffixIndex(args.suffix_index_tokens)  # one per process, for every batch
     if args.alternative_draft:
-        speculation["alternative_draft"] = args.alternative_draft
+        speculation.update(alternative_draft=args.alternative_draft, num_alternatives=args.num_alternatives)
     return speculation
 
 

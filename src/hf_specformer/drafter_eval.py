@@ -18,8 +18,8 @@ a bug to find, not a data problem. `--with-lookup` adds a live run with prompt l
 `--with-suffix` one with prompt lookup and cross-request suffix drafts (`generation/suffix.py`) from one
 `SuffixIndex` for the whole evaluation, which holds what that run generated for the prompts before (never the
 plain answers, so nothing is drafted from the text being scored). `--alternative-draft N` repeats each live run with
-`alternative_draft=N` (slot 1's second-best token, then the drafts after it, verified as a branch of their own,
-`generation/alternatives.py`), each with a suffix index of its own.
+`alternative_draft=N` (slot 1's next-best tokens, each then the drafts after it, verified as branches of their own,
+`generation/alternatives.py`; `--num-alternatives C` of them), each with a suffix index of its own.
 
 Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
 each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
@@ -79,10 +79,11 @@ class LiveTally:
 
 
 def _live(target, drafter, input_ids: torch.LongTensor, k: int, max_new_tokens: int, lookup_ngram_size: int,
-          suffix_index: SuffixIndex | None, alternative_draft: int):
+          suffix_index: SuffixIndex | None, alternative_draft: int, num_alternatives: int):
     return generate(target, input_ids=input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
                     num_draft_tokens=k, lookup_ngram_size=lookup_ngram_size, suffix_index=suffix_index,
-                    alternative_draft=alternative_draft, schedule="fixed", max_new_tokens=max_new_tokens,
+                    alternative_draft=alternative_draft, num_alternatives=num_alternatives, schedule="fixed",
+                    max_new_tokens=max_new_tokens,
                     do_sample=False, return_dict_in_generate=True)
 
 
@@ -112,7 +113,8 @@ def _live_runs(with_lookup: bool, with_suffix: bool, alternative_draft: int, loo
 @torch.no_grad()
 def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str], num_draft_tokens: int,
                      max_new_tokens: int, eos_token_ids: set[int], with_lookup: bool = False,
-                     with_suffix: bool = False, alternative_draft: int = 0, lookup_ngram_size: int = 4) -> dict:
+                     with_suffix: bool = False, alternative_draft: int = 0, num_alternatives: int = 1,
+                     lookup_ngram_size: int = 4) -> dict:
     """Teacher-forced and live acceptance of `drafter` on the target's greedy answers to `prompts` (token ids), per
     group and over `"all"`: `{group: {"num_prompts", "teacher_forced": {...}, "live": {...}, "live_lookup": {...},
     "live_suffix": {...}, "gap"}}` (`gap`: the largest |live - teacher-forced| slot acceptance)."""
@@ -126,7 +128,8 @@ def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str
                                 do_sample=False)
         answer = cut_after_eos(plain[0, ids.shape[1]:].tolist(), eos_token_ids)
         for run, (ngram, suffix_index, alternative) in runs.items():
-            output = _live(target, drafter, ids, k, max_new_tokens, ngram, suffix_index, alternative)
+            output = _live(target, drafter, ids, k, max_new_tokens, ngram, suffix_index, alternative,
+                           num_alternatives)
             identical = cut_after_eos(output.sequences[0, ids.shape[1]:].tolist(), eos_token_ids) == answer
             for name in (group, ALL):
                 tallies[run].setdefault(name, LiveTally(k)).add(output.speculation_stats, identical)
@@ -201,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-suffix", action="store_true",
                         help="also a live run with prompt lookup and cross-request suffix drafts")
     parser.add_argument("--alternative-draft", type=int, default=0,
-                        help="each live run also with a branch of N: slot 1's second-best token, then the drafts "
-                             "after it, verified too (0: none)")
+                        help="each live run also with branches of N: slot 1's next-best tokens, each then the "
+                             "drafts after it, verified too (0: none)")
+    parser.add_argument("--num-alternatives", type=int, default=1,
+                        help="with --alternative-draft: the branches (slot 1's 2nd .. (C + 1)-th best tokens)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default="bench/drafter_eval", help="writes OUTPUT.json and OUTPUT.png")
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = evaluate_drafter(target, drafter, [chat_prompt_ids(tokenizer, prompt) for prompt in prompts], groups,
                               args.num_draft_tokens, args.max_new_tokens, eos_token_ids(target, tokenizer),
                               with_lookup=args.with_lookup, with_suffix=args.with_suffix,
-                              alternative_draft=args.alternative_draft)
+                              alternative_draft=args.alternative_draft, num_alternatives=args.num_alternatives)
     print(table(report))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,7 @@ def assert_same_as_generate(
     target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
     lookup_ngram_size=None, confidence_threshold=None, schedule=None, step_costs=TEST_STEP_COSTS,
     companion_model=None, packed_verification=None, cost_feedback=None, suffix_index=None, max_batch_size=None,
-    memory_budget=None, alternative_draft=None, **kwargs
+    memory_budget=None, alternative_draft=None, num_alternatives=None, **kwargs
 ):
     """Speculative output equals `target.generate` token for token; returns the speculative output.
     `None` keeps `generate`'s defaults (the goodput schedule, here with `TEST_STEP_COSTS` taken as they are, so the
@@ -112,7 +112,7 @@ def assert_same_as_generate(
         "lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold, "schedule": schedule,
         "step_costs": step_costs, "companion_model": companion_model, "packed_verification": packed_verification,
         "cost_feedback": cost_feedback, "suffix_index": suffix_index, "max_batch_size": max_batch_size,
-        "memory_budget": memory_budget, "alternative_draft": alternative_draft,
+        "memory_budget": memory_budget, "alternative_draft": alternative_draft, "num_alternatives": num_alternatives,
     }
     kwargs_spec = {name: value for name, value in speculative_only.items() if value is not None}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)

@@ -93,14 +93,16 @@ def test_one_suffix_index_serves_every_batch_of_the_job(target, tokenizer, tmp_p
 
 
 def test_the_alternative_draft_keeps_the_answers(target, tokenizer, tmp_path):
-    """`--alternative-draft 2`: the option reaches `generate`, and the answers are the plain ones."""
+    """`--alternative-draft 2 --num-alternatives 2`: the options reach `generate`, and the answers are the plain
+    ones."""
     settings = GenerationSettings(max_new_tokens=24, batch_size=3)
     plain = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "plain"), settings, progress=False)
     make_drafter(target, draft_length=2).save_pretrained(tmp_path / "drafter")
     args = batch_generation.build_parser().parse_args(
-        ["--output", str(tmp_path), "--drafter", str(tmp_path / "drafter"), "--alternative-draft", "2"])
+        ["--output", str(tmp_path), "--drafter", str(tmp_path / "drafter"), "--alternative-draft", "2",
+         "--num-alternatives", "2"])
     speculation = {**batch_generation.speculation_from_args(args, target), **SPECULATION}
-    assert speculation["alternative_draft"] == 2
+    assert speculation["alternative_draft"] == 2 and speculation["num_alternatives"] == 2
     spec = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "spec"), settings, speculation=speculation,
                             progress=False)
     assert spec["response"] == plain["response"]

@@ -62,7 +62,7 @@ def test_live_acceptance_equals_teacher_forced_on_the_same_texts(distilled):
     prompts = _prompts(20, seed=0)[:3] + _prompts(3, seed=1)
     report = evaluate_drafter(target, drafter, prompts, ["seen"] * 3 + ["unseen"] * 3, num_draft_tokens=3,
                               max_new_tokens=NEW_TOKENS, eos_token_ids={2}, with_lookup=True, with_suffix=True,
-                              alternative_draft=2)
+                              alternative_draft=2, num_alternatives=2)
     assert set(report) == {"seen", "unseen", ALL} and report[ALL]["num_prompts"] == 6
     for row in report.values():
         assert row["gap"] <= MAX_GAP, table(report)

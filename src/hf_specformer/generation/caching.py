@@ -140,16 +140,18 @@ class PreallocatedLayer(DynamicLayer):
         self.length = length
         self._view(batch)
 
-    def move_column(self, rows: torch.BoolTensor, source: int, target: int) -> None:
-        """Copies, in the active rows `rows` (`[B]`), used column `source` over used column `target` (both
-        negative: counted back from the end of the used columns, -1 the last)."""
+    def move_columns(self, rows: torch.BoolTensor, sources: torch.LongTensor, target: int) -> None:
+        """Copies, in the active rows `rows` (`[B]`), the used columns `sources` (`[B, m]`, per row) over the m used
+        columns from `target` on (all negative: counted back from the end of the used columns, -1 the last)."""
         if not self.is_initialized:
             return
-        batch = rows.shape[0]
+        batch, count = sources.shape
+        start = self.length + target
         for buffer in (self.key_buffer, self.value_buffer):
-            moved = buffer[:batch, :, self.length + source]  # [B, H, D]
-            kept = buffer[:batch, :, self.length + target]
-            kept.copy_(torch.where(rows[:, None, None], moved, kept))
+            active = buffer[:batch, :, : self.length]
+            index = (self.length + sources)[:, None, :, None].expand(-1, active.shape[1], -1, active.shape[3])
+            kept = active[:, :, start : start + count]
+            kept.copy_(torch.where(rows[:, None, None, None], active.gather(2, index), kept))
 
 
 class PreallocatedCache(Cache):
@@ -188,7 +190,7 @@ class PreallocatedCache(Cache):
         for layer in self.layers:
             layer.gather_columns(index)
 
-    def move_column(self, rows: torch.BoolTensor, source: int, target: int) -> None:
-        """`PreallocatedLayer.move_column` in every layer."""
+    def move_columns(self, rows: torch.BoolTensor, sources: torch.LongTensor, target: int) -> None:
+        """`PreallocatedLayer.move_columns` in every layer."""
         for layer in self.layers:
-            layer.move_column(rows, source, target)
+            layer.move_columns(rows, sources, target)

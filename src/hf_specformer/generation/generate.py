@@ -48,11 +48,12 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         as with `max_batch_size`. ValueError if not even one row fits. Default None: no budget.
     row_finished: called with a `FinishedRow` (row index, generated tokens, steps, accepted drafts) as each row
         ends, so that a caller can use a row's answer before the call returns (`finishing.py`). Default None.
-    alternative_draft: n > 0 (True: 1): each step that verifies drafts also verifies a branch of n inputs, the
-        drafter's second-best first draft then its drafts for slots 2 .. n (a two-branch draft tree,
-        `alternatives.py`): where the first draft is rejected and the alternative is the target's token, the
+    alternative_draft: n > 0 (True: 1): each step that verifies drafts also verifies branches of n inputs, each
+        one of the drafter's next-best first drafts then its drafts for slots 2 .. n (a draft tree,
+        `alternatives.py`): where the first draft is rejected and an alternative is the target's token, its
         branch is verified like a chain. Greedy decoding only (ValueError with sampling, with logits processors
         that read the prefix, or with attention other than `sdpa`/`eager`). Default 0: off.
+    num_alternatives: the branches, with `alternative_draft`: slot 1's 2nd .. (c + 1)-th best tokens. Default 1.
     sampling_seeds: one int per row (after `num_return_sequences`), with `do_sample=True`: each row's text then
         depends only on its seed, prompt and the model, not on its batch or its drafts (`seeding.py`: Gumbel-max
         sampling with per-row noise, verified greedily); the call always runs the engine. Default None: torch's
@@ -240,6 +241,7 @@ def generate(
     row_finished=None,
     sampling_seeds=None,
     alternative_draft: int = 0,
+    num_alternatives: int = 1,
     **kwargs,
 ):
     """Speculative `generate` for `model` (the target) with `assistant_model` drafting; see the module docstring."""
@@ -252,6 +254,7 @@ def generate(
         compaction_hole_fraction=compaction_hole_fraction, step_costs=step_costs, cpu_speedups=cpu_speedups,
         packed_verification=packed_verification, cost_feedback=cost_feedback, kernel_backend=kernel_backend,
         max_batch_size=max_batch_size, memory_budget=memory_budget, alternative_draft=alternative_draft,
+        num_alternatives=num_alternatives,
     )
     generation_config = _without(generation_config, kwargs, TRANSFORMERS_NAMES)
     input_ids = inputs if inputs is not None else unused.get("input_ids")

@@ -32,7 +32,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import LOOKUP, AcceptanceTable
 from .admission import Admissions, slot_bytes
 from .alternatives import (
-    alternative_branch,
+    alternative_branches,
     alternative_inputs,
     check_alternative_draft,
     move_alternatives,
@@ -305,7 +305,7 @@ def _decode(
     if speculation.alternative_draft:
         check_alternative_draft(model, processor, selector.do_sample)
     k = proposer.num_draft_tokens
-    room = k + 1 + min(int(speculation.alternative_draft), k)
+    room = k + 1 + speculation.num_alternatives * min(int(speculation.alternative_draft), k)
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     capacity = cache_capacity(input_ids.shape[1], max_new_tokens, k)
     mask = model_kwargs.get("attention_mask")
@@ -349,16 +349,16 @@ def _decode(
         num_drafts = counts.to(last_committed.device, non_blocking=True).masked_fill(batch.finished, 0)
         scheduler.stepped(proposed)
         branch_length = min(int(speculation.alternative_draft), width)
-        branch = (alternative_branch(proposal.logits[:, 0], draft_ids, branch_length)
-                  if branch_length and proposal.drafted else None)
+        branches = (alternative_branches(proposal.logits, draft_ids, branch_length, speculation.num_alternatives)
+                    if branch_length and proposal.drafted else None)  # [B, c, m]
         draft_ids = draft_ids[:, :width]
         step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
-        num_inputs = width + 1 + (0 if branch is None else branch.shape[1])
+        num_inputs = width + 1 + (0 if branches is None else branches[0].numel())
         attention_mask, position_ids = batch.step_inputs(num_inputs)
         verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
-        if branch is not None:  # slot 1's second-best token and the drafts after it, a branch of their own
+        if branches is not None:  # slot 1's next-best tokens and the drafts after them, branches of their own
             step_ids, attention_mask, position_ids, verified = alternative_inputs(
-                step_ids, attention_mask, position_ids, verified, branch, model.dtype)
+                step_ids, attention_mask, position_ids, verified, branches, model.dtype)
         with layers.speedups(), layers.packed(verified, speculation.packed_verification):
             output = target_forward(
                 model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, logits_to_keep=0
@@ -374,12 +374,12 @@ def _decode(
                                                  speculation.kernel_backend)
         if estimator is not None and predicted is not None:
             estimator.observe(num_accepted, num_drafts)
-        if branch is not None:
-            branch_predictions = processor(batch, output.logits[:, width + 1:], offset=1).argmax(-1)  # [B, m]
-            tokens, num_accepted, taken = take_alternatives(tokens, num_accepted, branch, branch_predictions,
-                                                            num_drafts)
-            output["hidden_states"] = move_alternatives(cache, output.hidden_states, taken, num_inputs,
-                                                        branch.shape[1])
+        if branches is not None:
+            branch_predictions = processor(batch, output.logits[:, width + 1:], offset=1).argmax(-1)
+            tokens, num_accepted, taken, choice = take_alternatives(
+                tokens, num_accepted, branches, branch_predictions.view(branches.shape), num_drafts)
+            output["hidden_states"] = move_alternatives(cache, output.hidden_states, taken, choice, width + 1,
+                                                        num_inputs, branch_length)
         live = ~batch.finished
         stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted, live)
         batch.commit_cache((num_accepted + 1) * live, num_inputs)

@@ -54,8 +54,9 @@ class SpeculationConfig:
             running rows finish (continuous batching, `admission.py`).
         memory_budget: bytes the decoding rows' state may take (caches, vocabulary-wide tensors, prefill states;
             `admission.slot_bytes`); the slots are then at most as many as fit. None: no budget.
-        alternative_draft: n > 0 (True: 1): each step that verifies drafts also verifies a branch of n inputs,
-            slot 1's second-best token then the drafts of slots 2 .. n (`alternatives.py`; greedy decoding only).
+        alternative_draft: n > 0 (True: 1): each step that verifies drafts also verifies branches of n inputs,
+            each one of slot 1's next-best tokens then the drafts of slots 2 .. n (`alternatives.py`; greedy only).
+        num_alternatives: c >= 1, the branches with `alternative_draft` (slot 1's 2nd .. (c + 1)-th best tokens).
     """
 
     num_draft_tokens: int | None = None
@@ -71,6 +72,7 @@ class SpeculationConfig:
     max_batch_size: int | None = None
     memory_budget: int | None = None
     alternative_draft: int = 0
+    num_alternatives: int = 1
 
     def __post_init__(self):
         for name in ("num_draft_tokens", "lookup_ngram_size"):
@@ -94,6 +96,9 @@ class SpeculationConfig:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} must be one of {KERNEL_BACKENDS}.")
         if not isinstance(self.alternative_draft, int) or self.alternative_draft < 0:
             raise ValueError(f"alternative_draft={self.alternative_draft!r} must be an int >= 0 (True: 1, 0: off).")
+        if isinstance(self.num_alternatives, bool) or not isinstance(self.num_alternatives, int) \
+                or self.num_alternatives < 1:
+            raise ValueError(f"num_alternatives={self.num_alternatives!r} must be an int >= 1.")
         for name in ("max_batch_size", "memory_budget"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
