@@ -14,6 +14,7 @@ from hf_specformer.generation.linears import (
     FEW_HEAD_ROWS,
     FEW_ROWS,
     LinearSwitch,
+    padded_rows,
     transposed_linear,
 )
 
@@ -35,12 +36,19 @@ def _forward(target, ids):
 def test_transposed_linear_is_f_linear():
     torch.manual_seed(0)
     weight, bias = torch.randn(7, 5, **DOUBLE), torch.randn(7, **DOUBLE)
-    for shape in [(5,), (1, 5), (3, 5), (2, 4, 5)]:
+    for shape in [(5,), (1, 5), (3, 5), (2, 4, 5), (7, 5), (3, 3, 5), (17, 5)]:  # padded to 2, 4, 8, 16, 24 rows
         x = torch.randn(*shape, **DOUBLE)
         for b in (None, bias):
             out = transposed_linear(x, weight, b)
             assert out.shape == (*shape[:-1], 7) and out.is_contiguous()
             torch.testing.assert_close(out, nn.functional.linear(x, weight, b), rtol=0, atol=1e-12)
+
+
+def test_padded_rows_are_at_least_the_rows_and_beyond_8_a_multiple_of_8():
+    padded = [padded_rows(rows) for rows in range(1, 42)]
+    assert padded[:9] == [2, 2, 4, 4, 5, 6, 8, 8, 16]
+    assert all(rows <= count < rows + 8 for rows, count in enumerate(padded, start=1))
+    assert all(count % 8 == 0 for count in padded[8:]) and padded_rows(32) == 32
 
 
 def test_few_rows_switch_eligible_layers_only_and_only_inside_the_block():
