@@ -7,7 +7,8 @@
 2. Package style: `hf_specformer.generate(target, ..., assistant_model=draft)`.
 Both give exactly the target's own greedy output. Prompt lookup runs on top of the drafter by default;
 `lookup_ngram_size=0` drafts with the drafter alone, and `alternative_draft=1` also verifies the drafter's
-second-best first draft as a branch of its own (more tokens per step, one more input each step; greedy only).
+second-best first draft as a branch of its own (more tokens per step, one more input each step; greedy only);
+`num_alternatives=2` with `alternative_draft=3` verifies its 2nd and 3rd best, each followed by its next two drafts.
 """
 
 import torch
@@ -46,6 +47,11 @@ with_branch = hf_specformer.generate(target, **inputs, assistant_model=draft, ma
                                      return_dict_in_generate=True)
 assert torch.equal(with_branch.sequences, plain)
 print(f"the same with the alternative draft: {with_branch.speculation_stats.tokens_per_step:.2f}")
+with_tree = hf_specformer.generate(target, **inputs, assistant_model=draft, max_new_tokens=64, do_sample=False,
+                                   lookup_ngram_size=0, alternative_draft=3, num_alternatives=2, schedule="fixed",
+                                   return_dict_in_generate=True)
+assert torch.equal(with_tree.sequences, plain)
+print(f"with two branches of 3: {with_tree.speculation_stats.tokens_per_step:.2f}")
 for row in tokenizer.batch_decode(hub_style.sequences[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True):
     print("-", row.strip()[:200])
 
