@@ -19,8 +19,8 @@ Every drafter mode runs under each schedule asked for (`--schedules`): `fixed` (
 steps of one width, `packed_verification=False`) and, with `--companion DIR`, `companion` (the goodput scheduler on
 Speculative Verification's (S, A) from the companion); `alternative` and `alternative-3` are `goodput` with
 `alternative_draft=1` or `3` (slot 1's second-best token, then the drafts after it, verified as a branch of their
-own, `generation/alternatives.py`), `alternatives-2x3` with two such branches of 3 (slot 1's 2nd and 3rd tokens).
-`goodput` runs as `generate` does by default: from the step
+own, `generation/alternatives.py`), `alternatives-2x3` and `alternatives-3x3` with two or three such branches of 3
+(slot 1's 2nd and 3rd, or 2nd to 4th, tokens). `goodput` runs as `generate` does by default: from the step
 costs cached on this machine, if any, else learnt from its own steps (the first call at a batch size pays for that,
 as a user's would). `costs-x0.5`, `costs-x2` and `plain-x2` give the goodput scheduler a profile measured before
 any timing (`measure_step_costs`) and deliberately made wrong: every cost halved, doubled, or only the plain step's
@@ -107,7 +107,8 @@ SCHEDULE_KWARGS = {"fixed": {"schedule": "fixed"}, "goodput": {"schedule": "good
                    "plain-x2": {"schedule": "goodput"},
                    "alternative": {"schedule": "goodput", "alternative_draft": 1},
                    "alternative-3": {"schedule": "goodput", "alternative_draft": 3},
-                   "alternatives-2x3": {"schedule": "goodput", "alternative_draft": 3, "num_alternatives": 2}}
+                   "alternatives-2x3": {"schedule": "goodput", "alternative_draft": 3, "num_alternatives": 2},
+                   "alternatives-3x3": {"schedule": "goodput", "alternative_draft": 3, "num_alternatives": 3}}
 """Bench schedule -> `generate` arguments (`companion` adds the companion model, the `WRONG_COSTS` schedules a
 deliberately wrong profile)."""
 
