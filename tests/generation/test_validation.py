@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from hf_specformer import generate
+from hf_specformer.generation.caching import PreallocatedCache
 
 
 def _batch():
@@ -120,12 +121,21 @@ def test_stateful_guidance_processor_is_rejected():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_zero_draft_tokens_is_plain_decoding(kind):
+    """transformers' own loop, writing into a `PreallocatedCache` (no concatenation per step); same output."""
     target = make_target(kind)
     input_ids, mask = make_batch(5, seed=3)
-    output = assert_same_as_generate(target, make_drafter(target), input_ids, mask, num_draft_tokens=0,
-                                     max_new_tokens=12)
+    caches = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: caches.append(type(kwargs.get("cache", kwargs.get("past_key_values")))),
+        with_kwargs=True)
+    try:
+        output = assert_same_as_generate(target, make_drafter(target), input_ids, mask, num_draft_tokens=0,
+                                         max_new_tokens=12)
+    finally:
+        hook.remove()
     stats = output.speculation_stats
     assert stats.plain_decoding and stats.drafted == 0 and stats.num_draft_tokens == 0
+    assert set(caches[len(caches) // 2:]) == {PreallocatedCache}  # the speculative call's (the reference's first)
 
 
 def test_drafter_in_another_dtype_is_lossless():

@@ -276,6 +276,7 @@ def _plain_decode(
     stats = proposer.stats = SpecStats(num_draft_tokens=proposer.num_draft_tokens, plain_decoding=True)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    model_kwargs = _preallocated(model, model_kwargs, generation_config.max_length)
     with layers.installed(), layers.speedups():
         output = GenerationMixin._sample(
             model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
@@ -288,6 +289,19 @@ def _plain_decode(
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences
+
+
+def _preallocated(model, model_kwargs: dict, max_length: int) -> dict:
+    """`model_kwargs` with a fresh `DynamicCache` replaced by a `PreallocatedCache` of `max_length` columns (the
+    prompt and every new token), so that transformers' loop writes each step's columns in place rather than
+    concatenating every layer's cache (plain steps at B = 8 on the CPU testbed: README, How it works). Any other
+    cache is kept."""
+    key = "cache" if "cache" in model_kwargs else "past_key_values"  # transformers >= 5.24: "cache"
+    given = model_kwargs.get(key)
+    if type(given) is not DynamicCache or given.get_seq_length() > 0:
+        return model_kwargs
+    layers = model.config.get_text_config().num_hidden_layers
+    return {**model_kwargs, key: PreallocatedCache.like(given, layers, max_length)}
 
 
 def _decode(
