@@ -116,8 +116,8 @@ def take_alternatives(tokens: torch.LongTensor, num_accepted: torch.LongTensor, 
     length = branches.shape[2]
     matching = (branches[:, :, 0] == tokens[:, :1]) & ((num_accepted == 0) & (num_drafts > 0))[:, None]  # [B, c]
     taken, choice = matching.any(dim=1), matching.long().argmax(dim=1)
-    branch = branches[torch.arange(branches.shape[0], device=branches.device), choice]  # [B, m]
-    predictions = branch_predictions[torch.arange(branches.shape[0], device=branches.device), choice]
+    rows = torch.arange(branches.shape[0], device=branches.device)
+    branch, predictions = branches[rows, choice], branch_predictions[rows, choice]  # [B, m] each
     verified = torch.arange(length, device=branch.device)[None, :] < num_drafts[:, None]  # [B, m]
     matches = (predictions[:, :-1] == branch[:, 1:]) & verified[:, 1:]
     accepted = 1 + matches.long().cumprod(dim=1).sum(dim=1)  # [B] in 1 .. m
