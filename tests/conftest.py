@@ -1,5 +1,10 @@
 """Shared fixtures: tiny random Llama and Qwen3 targets in float64, fixed seeds, a SpecFormer bound to each; SmolLM2's
-tokenizer and a tiny chat target for the generation jobs."""
+tokenizer and a tiny chat target for the generation jobs.
+
+`HF_SPECFORMER_TEST_DEVICE=cuda` builds the tiny models and the batches of `helpers.make_batch` on that device
+instead of the CPU, so the engine's equality tests run there unchanged:
+`HF_SPECFORMER_TEST_DEVICE=cuda pytest tests/generation/test_engine.py` (tests that build their own tensors on the
+CPU stay CPU tests)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from hf_specformer import CompanionConfig, CompanionForVerification, SpecFormerConfig, SpecFormerForDrafting
 from hf_specformer.targets import load_tokenizer
+
+TEST_DEVICE = torch.device(os.environ.get("HF_SPECFORMER_TEST_DEVICE", "cpu"))
+"""Where `make_target`, `make_drafter`, `make_companion` and `helpers.make_batch` put what they build."""
+CPU_ONLY = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="builds its own models or tensors on the CPU, or "
+                              "checks the CPU's own code paths")
+"""For tests that do not follow `TEST_DEVICE`."""
 
 TINY_VOCAB = 96
 TINY_COMMON = dict(
@@ -36,26 +47,26 @@ TARGET_FACTORIES = {
 
 
 def make_target(kind: str = "llama", seed: int = 0) -> torch.nn.Module:
-    """A tiny random causal LM in float64 and eval mode."""
+    """A tiny random causal LM in float64 and eval mode, on `TEST_DEVICE`."""
     torch.manual_seed(seed)
-    model = TARGET_FACTORIES[kind]().double().eval()
+    model = TARGET_FACTORIES[kind]().double().to(TEST_DEVICE).eval()
     model.requires_grad_(False)
     return model
 
 
 def make_drafter(target, draft_length: int = 4, seed: int = 1, **kwargs) -> SpecFormerForDrafting:
-    """A randomly initialised SpecFormer in float64, bound to `target`."""
+    """A randomly initialised SpecFormer in float64, bound to `target`, on the target's device."""
     torch.manual_seed(seed)
     config = SpecFormerConfig.from_target_config(target.config, draft_length=draft_length, **kwargs)
-    return SpecFormerForDrafting(config).double().eval().bind_target(target)
+    return SpecFormerForDrafting(config).double().to(target.device).eval().bind_target(target)
 
 
 def make_companion(target, seed: int = 2, **kwargs) -> CompanionForVerification:
-    """A randomly initialised companion in float64, bound to `target`."""
+    """A randomly initialised companion in float64, bound to `target`, on the target's device."""
     torch.manual_seed(seed)
     defaults = dict(companion_size=16, num_attention_heads=2, intermediate_size=32)
     config = CompanionConfig.from_target_config(target.config, **{**defaults, **kwargs})
-    return CompanionForVerification(config).double().eval().bind_target(target)
+    return CompanionForVerification(config).double().to(target.device).eval().bind_target(target)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -177,6 +177,9 @@ def test_bench_rounds_reverse_the_order_and_count_every_row(tmp_path):
         [(1, 2, 2, 4), (2, 1, 2, 4)]
     assert all(row["mismatched_rows"] == 0 and row["plain_seconds"] > 0 for row in rows)
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
+    with pytest.raises(SystemExit, match=f"batch size, 8, needs as many prompts; {tmp_path / 'p.jsonl'} gave 6"):
+        bench_main(["--target", str(tmp_path / "target"), "--oracle", "--batch-sizes", "8", "--prompts",
+                    str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "bench8")])
 
 
 def test_bench_gives_the_goodput_scheduler_deliberately_wrong_costs(tmp_path):

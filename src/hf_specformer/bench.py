@@ -287,6 +287,10 @@ def run_benchmark(config: BenchConfig) -> dict:
     tokenizer = load_tokenizer(config.target)
     source = config.prompts or find_shared_data(BENCH_PROMPTS)
     prompts = load_prompts(source, interleave_field="category", limit=config.num_prompts)
+    if len(prompts) < max(config.batch_sizes):
+        origin = source or "the built-in prompt set"
+        raise SystemExit(f"The largest batch size, {max(config.batch_sizes)}, needs as many prompts; {origin} gave "
+                         f"{len(prompts)} (pass --prompts FILE or a larger --num-prompts).")
     proposer_modes = {split_mode(mode)[0] for mode in config.modes}
     drafters = {
         mode: make_assistant(mode, target, None, config.num_draft_tokens, tokenizer.pad_token_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import TEST_DEVICE
 
 from hf_specformer import OracleProposer, Proposal, generate
 from hf_specformer.generation.acceptance import (
@@ -39,7 +40,8 @@ def optimistic_table(signal: str, num_slots: int = 8) -> dict:
 
 
 def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int = 3, max_len: int = 14):
-    """Left-padded random prompts `[B, P]` with their attention mask; lengths differ per row when `padded`."""
+    """Left-padded random prompts `[B, P]` with their attention mask, on `TEST_DEVICE`; lengths differ per row when
+    `padded`."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=generator) if padded else None
     width = max_len if padded else max_len
@@ -49,14 +51,14 @@ def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int
         for row, length in enumerate(lengths.tolist()):
             input_ids[row, : width - length] = PAD
             mask[row, : width - length] = 0
-    return input_ids, mask
+    return input_ids.to(TEST_DEVICE), mask.to(TEST_DEVICE)
 
 
 def started_batch(input_ids: torch.LongTensor, attention_mask, capacity: int, pad_token_id: int = PAD) -> RaggedBatch:
     """A `RaggedBatch` of every row of `input_ids` (`[B, P]`), admitted as the engine admits them, before their
     prefill."""
     batch = RaggedBatch.start(input_ids, attention_mask, capacity, pad_token_id)
-    batch.join(batch.admission(torch.arange(input_ids.shape[0]), input_ids.shape[1]))
+    batch.join(batch.admission(torch.arange(input_ids.shape[0], device=input_ids.device), input_ids.shape[1]))
     return batch
 
 
@@ -76,7 +78,9 @@ def noisy_oracle(reference_new_tokens: torch.LongTensor, k: int, vocab: int, cor
     generator = torch.Generator().manual_seed(seed)
     noise = torch.rand(reference_new_tokens.shape, generator=generator) < corrupt
     random_tokens = torch.randint(3, vocab, reference_new_tokens.shape, generator=generator)
-    return OracleProposer(torch.where(noise, random_tokens, reference_new_tokens), k, vocab, PAD)
+    noisy = torch.where(noise.to(reference_new_tokens.device), random_tokens.to(reference_new_tokens.device),
+                        reference_new_tokens)
+    return OracleProposer(noisy, k, vocab, PAD)
 
 
 class SoftOracle(OracleProposer):
@@ -93,7 +97,7 @@ class SoftOracle(OracleProposer):
         one_hot = super().propose(batch, hidden_states, position_ids, source_index, draft).logits
         if one_hot is None:
             return Proposal()
-        margin = torch.rand(one_hot.shape[:2], generator=self.generator, dtype=one_hot.dtype) * 8
+        margin = torch.rand(one_hot.shape[:2], generator=self.generator, dtype=one_hot.dtype).to(one_hot.device) * 8
         return Proposal(torch.where(one_hot.isinf(), 0.0, margin[..., None]))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import CPU_ONLY, make_drafter, make_target
 from helpers import PAD, assert_same_as_generate, make_batch, started_batch
 
 from hf_specformer import SpecFormerProposer, generate, generate_batch
@@ -210,6 +210,7 @@ def test_generate_batch_hands_over_outputs_as_they_finish_and_an_interruption_ke
             (outputs[index].prompt_ids, outputs[index].generated_tokens, outputs[index].finish_reason)
 
 
+@CPU_ONLY
 def test_rows_admitted_after_the_batch_emptied_start_from_fresh_columns():
     """Every running row finishes on the same step while the drafter's work is deferred (plain steps: drafting never
     pays at these costs), so the batch empties with the drafter's cache behind the target's; the rows admitted next

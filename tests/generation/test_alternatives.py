@@ -40,10 +40,10 @@ class RankedOracle(OracleProposer):
         if logits is None:
             return Proposal()
         right = logits[:, 0].argmax(-1)
-        start = 1 + torch.randint(TINY_VOCAB - self.rank + 1, right.shape, generator=self.generator)
-        wrong = (right[:, None] + start[:, None] + torch.arange(self.rank - 1)) % TINY_VOCAB  # distinct, not right
-        scores = torch.arange(self.rank - 1, 0, -1, dtype=logits.dtype).expand(wrong.shape)  # above the right's 0
-        swapped = torch.rand(right.shape, generator=self.generator) < self.swap
+        start = 1 + torch.randint(TINY_VOCAB - self.rank + 1, right.shape, generator=self.generator).to(right.device)
+        wrong = (right[:, None] + start[:, None] + torch.arange(self.rank - 1, device=right.device)) % TINY_VOCAB
+        scores = torch.arange(self.rank - 1, 0, -1, dtype=logits.dtype, device=right.device).expand(wrong.shape)
+        swapped = (torch.rand(right.shape, generator=self.generator) < self.swap).to(right.device)
         first = logits[:, 0].clone()
         first[swapped] = first[swapped].scatter(1, wrong[swapped], scores[swapped])
         logits[:, 0] = first

@@ -9,12 +9,13 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import CPU_ONLY, make_drafter, make_target
 from helpers import make_batch
 
 from hf_specformer.hub import export_drafter
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("writer", ["export_drafter", "save_pretrained"])
 def test_custom_generate_in_clean_process(tmp_path, writer):
     """Either way of writing the folder (`export_drafter`, or the model's own `save_pretrained`) gives a folder that

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_drafter, make_target
+from conftest import CPU_ONLY, TINY_VOCAB, make_drafter, make_target
 from helpers import PAD, SimulatedClock, assert_same_as_generate, make_batch, optimistic_table, started_batch
 from transformers.cache_utils import DynamicCache
 
@@ -23,6 +23,7 @@ def _forward(target, ids, mask, cache, positions):
                   **cache_argument(target, cache))
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_preallocated_cache_equals_dynamic_cache_through_steps_row_selection_and_compaction(kind):
     """The same forwards over both caches (a prefill, steps of several inputs, rows dropped, columns gathered):
@@ -64,6 +65,7 @@ def test_preallocated_cache_refuses_to_overflow():
         cache.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), 0)
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("kind, next_token_input", [("llama", False), ("qwen3", False), ("llama", True)])
 def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_token_input):
     """A proposer that skips drafting for two steps (deferring its context stage, one step with a rejected input)

@@ -1,8 +1,11 @@
-"""The engine reads the device at most twice per step (`host.py`), and nothing else in its loop waits for it."""
+"""The engine reads the device at most twice per step (`host.py`), and nothing else in its loop waits for it: on the
+CPU through the operators that would wait on a GPU, on CUDA (`gpu` marker) through torch's sync debug mode."""
 
 from __future__ import annotations
 
+import collections
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -52,13 +55,51 @@ def _speculate(target, drafter, input_ids, mask, max_new_tokens, **kwargs):
     return output.speculation_stats, waiting.count
 
 
-@pytest.mark.parametrize("options", [
+class CudaWaits:
+    """Every operation that waits for the CUDA device, as torch's sync debug mode reports it (device-to-host reads,
+    and blocking host-to-device copies, which no dispatch mode sees), counted by the innermost frame of this
+    package or of transformers; a wait inside `HostReads` is counted as `host.py`, and transformers' check of the
+    2D mask (`_ignore_causal_mask_sdpa`, once per forward, in plain `generate` too) as `masking_utils.py`."""
+
+    def __init__(self):
+        self.places = collections.Counter()
+
+    def __enter__(self) -> "CudaWaits":
+        self.warnings = warnings.catch_warnings()
+        self.warnings.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self.record
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc_info):
+        torch.cuda.set_sync_debug_mode("default")
+        self.warnings.__exit__(*exc_info)
+
+    def record(self, message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = [frame for frame in traceback.extract_stack()[:-1] if "/hf_specformer/" in frame.filename
+                  or "/transformers/" in frame.filename]
+        host_read = any(frame.filename.endswith("host.py") for frame in frames)
+        mask_check = bool(frames) and frames[-1].filename.endswith("masking_utils.py")
+        place = "host.py" if host_read else "masking_utils.py" if mask_check else (
+            "{}:{} {}".format(*frames[-1][:3]) if frames else "elsewhere")
+        self.places[place] += 1
+
+
+LOOP_OPTIONS = [
     {"schedule": "goodput", "lookup_ngram_size": 3},
     {"schedule": "goodput", "suffix_index": True},
     {"schedule": "goodput", "packed_verification": False},
+    {"schedule": "goodput", "alternative_draft": 3, "num_alternatives": 2},
     {"schedule": "fixed", "num_draft_tokens": 3},
     {"schedule": "fixed", "confidence_threshold": 0.2},
-], ids=["goodput-lookup", "goodput-suffix", "goodput-padded", "fixed", "fixed-threshold"])
+]
+LOOP_IDS = ["goodput-lookup", "goodput-suffix", "goodput-padded", "goodput-alternatives", "fixed", "fixed-threshold"]
+
+
+@pytest.mark.parametrize("options", LOOP_OPTIONS, ids=LOOP_IDS)
 def test_at_most_two_host_reads_per_step_and_no_other_wait_that_grows_with_steps(options, monkeypatch):
     """Ragged rows without EOS (no row retires before the end), with the cost feedback and its plain steps: the
     engine's counted reads stay within two per step plus the prefill's one, and the operators that wait for the
@@ -76,3 +117,29 @@ def test_at_most_two_host_reads_per_step_and_no_other_wait_that_grows_with_steps
         assert stats.steps > 0 and stats.host_reads <= 2 * stats.steps + 1, (stats.host_reads, stats.steps)
     assert long.steps > short.steps + 10 and long.drafted > 0
     assert waits_long == waits_short, (waits_short, waits_long)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("options", LOOP_OPTIONS, ids=LOOP_IDS)
+def test_on_cuda_the_loop_waits_for_the_device_only_in_its_counted_reads(options, monkeypatch):
+    """The same calls on CUDA: every wait that grows with the number of steps is one of `HostReads`, whose count
+    stays within two per step plus the prefill's one, or transformers' mask check, once per target forward (as in
+    plain `generate`; on an H100 the only other wait the first run of this test found)."""
+    monkeypatch.setattr(engine, "StepClock", SimulatedClock)
+    target = make_target("llama").to("cuda")
+    drafter = make_drafter(target, draft_length=4)
+    drafter.config.acceptance_table = optimistic_table("confidence")
+    input_ids, mask = (tensor.to("cuda") for tensor in make_batch(4, seed=3))
+    waits = {}
+    for max_new_tokens in (8, 40):
+        with CudaWaits() as cuda_waits:
+            stats, _ = _speculate(target, drafter, input_ids, mask, max_new_tokens, **options)
+        waits[max_new_tokens] = (stats, cuda_waits.places)
+    (short, short_places), (long, long_places) = waits[8], waits[40]
+    assert long.steps > short.steps + 10 and long.drafted > 0
+    growing = {place: (short_places[place], count) for place, count in long_places.items()
+               if place not in ("host.py", "masking_utils.py") and count > short_places[place]}
+    assert not growing, f"waits that grow with the steps, (8 tokens, 40 tokens) by place: {growing}"
+    assert 0 < long_places["host.py"] <= 2 * long.steps + 1, (long_places, long.steps)
+    assert long_places["masking_utils.py"] <= long.steps + 1, (long_places, long.steps)

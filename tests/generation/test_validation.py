@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_COMMON, TINY_VOCAB, make_drafter, make_target
+from conftest import CPU_ONLY, TINY_COMMON, TINY_VOCAB, make_drafter, make_target
 from helpers import PAD, TEST_STEP_COSTS, assert_same_as_generate, make_batch, noisy_oracle
 from transformers import (
     Gemma2Config,
@@ -157,7 +157,7 @@ class RaiseAfter(StoppingCriteria):
         self.remaining -= 1
         if self.remaining < 0:
             raise RuntimeError("user criterion failed")
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def test_patches_are_restored_after_an_exception():
@@ -195,6 +195,7 @@ def _oracle_for(target, input_ids, mask, k, max_new_tokens, padded=True):
     return noisy_oracle(reference[:, input_ids.shape[1]:], k, TINY_VOCAB, corrupt=0.3)
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("factory", [tiny_mistral, tiny_gemma2], ids=["mistral", "gemma2"])
 def test_sliding_window_that_never_bites_equals_generate(factory):
     """Window 64 holds prompt 10 + 12 tokens x (k + 1 = 4) columns: served, token for token."""
@@ -206,6 +207,7 @@ def test_sliding_window_that_never_bites_equals_generate(factory):
     assert output.speculation_stats.accepted > 0
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("factory, name", [(tiny_mistral, "MistralForCausalLM"), (tiny_gemma2, "Gemma2ForCausalLM")])
 def test_sliding_window_the_cache_could_outgrow_is_rejected(factory, name):
     target = factory(16)
@@ -229,6 +231,7 @@ def test_hybrid_target_with_convolution_layers_is_rejected():
         generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=oracle, max_new_tokens=4)
 
 
+@CPU_ONLY
 def test_sliding_cache_length_follows_compaction():
     """Compaction gathers a sliding layer's columns and its count of columns together, so its masks keep their
     size; with compaction every step the outputs stay those of `generate`."""
@@ -258,7 +261,7 @@ class PatchWitness(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         self.between.add(self._state())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def witnessed_call(seed: int, **generate_kwargs) -> PatchWitness:
@@ -277,6 +280,7 @@ def witnessed_call(seed: int, **generate_kwargs) -> PatchWitness:
     return witness
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("cpu_speedups", [True, False])
 def test_cpu_speedups_switch(cpu_speedups):
     """The loop's layers are switched for the length of the call (grouped-query attention on, or off with
@@ -287,6 +291,7 @@ def test_cpu_speedups_switch(cpu_speedups):
     assert witness.inside == {(attention, True, cpu_speedups)} and witness.between == {(attention, True, False)}
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("cpu_speedups", [True, False])
 def test_plain_decoding_runs_with_the_cpu_speedups(cpu_speedups):
     """A call that decodes plainly (k = 0: transformers' own loop) runs every forward with the CPU speed-ups, as the
