@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from hf_specformer import OracleProposer, SpecFormerProposer, generate
 from hf_specformer.generation.batch import padded_batch_size
 from hf_specformer.generation.forwards import LoopLayers, cache_argument, recorded_hidden_states, target_forward
+from hf_specformer.generation.linears import LinearSwitch
 from hf_specformer.training.target_states import next_token_ids
 
 # name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
@@ -381,6 +382,31 @@ def test_packed_and_padded_verification_equal_generate(case, packed):
     assert stats.drafted > 0
     if packed or schedule:  # padded goodput steps give every row with drafts the one chosen width
         assert stats.padding > 0
+
+
+@pytest.mark.parametrize("num_draft_tokens", [3, 0])  # the engine's admission; transformers' loop (k = 0)
+def test_the_prefill_computes_the_real_prompt_tokens_only_and_equals_generate(num_draft_tokens, monkeypatch):
+    """The prefill's linear layers see each row's real prompt tokens only (packed), and the output is still
+    `generate`'s; with `packed_verification=False` they see the padded rectangle."""
+    target = make_target("llama")
+    input_ids, mask = make_batch(6, seed=5, padded=True)
+    first_layer = target.model.layers[0].self_attn.q_proj
+    rows = []
+    product = LinearSwitch._product
+
+    def counted_product(self, layer, inner, max_rows, x):
+        if layer is first_layer:
+            rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return product(self, layer, inner, max_rows, x)
+
+    monkeypatch.setattr(LinearSwitch, "_product", counted_product)
+    drafter = make_drafter(target)
+    assert int(mask.sum()) < mask.numel()
+    for packed, prefill_rows in ((True, int(mask.sum())), (False, mask.numel())):
+        rows.clear()
+        assert_same_as_generate(target, drafter, input_ids, mask, num_draft_tokens=num_draft_tokens,
+                                packed_verification=packed, max_new_tokens=12, pad_token_id=PAD)
+        assert rows[0] == prefill_rows
 
 
 def test_goodput_verifies_wide_steps_for_an_oracle():

@@ -13,7 +13,14 @@ from transformers.cache_utils import DynamicCache
 from hf_specformer import OracleProposer, Proposal, SpecFormerProposer
 from hf_specformer.generation.caching import PreallocatedCache
 from hf_specformer.generation import engine, feedback, scheduling
-from hf_specformer.generation.feedback import HANDOFF_BACKOFF, HANDOFF_LOSS, HANDOFF_MARGIN, HandOff, OnlineStepCosts
+from hf_specformer.generation.feedback import (
+    HANDOFF_BACKOFF,
+    HANDOFF_CREDIT,
+    HANDOFF_LOSS,
+    HANDOFF_MARGIN,
+    HandOff,
+    OnlineStepCosts,
+)
 from hf_specformer.generation.costs import StepCostModel
 from hf_specformer.generation.forwards import cache_argument
 
@@ -146,21 +153,32 @@ def test_handoff_once_the_deficit_exceeds_its_bound_with_doubling_backoff():
     assert guard.plain_steps_left == 2 * HANDOFF_BACKOFF
 
 
-def test_handoff_deficit_is_floored_so_gains_do_not_buy_later_losses_and_small_losses_add_up():
+def test_handoff_deficit_is_floored_so_gains_buy_only_their_credit_of_later_losses_and_small_losses_add_up():
     costs = OnlineStepCosts(StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8]))
     guard = HandOff(costs)
-    for _ in range(50):  # 2 tokens per row for 1.5x: ahead, never handed off
+    for _ in range(50):  # 2 tokens per row for 1.5x: ahead, never handed off, credit capped
         guard.observe(8, 8, 16, 12.0)
-    assert guard.deficit == 0.0 and not guard.active
+    assert guard.deficit == pytest.approx(-HANDOFF_CREDIT * 8.0) and not guard.active
     slow = 8.0 * (1 + HANDOFF_MARGIN) + 0.5  # plain tokens, half a second slower than the margin allows
     for step in range(1, 100):
         guard.observe(8, 4, 4, slow)  # 4 of 8 rows still generating, one token each: a plain step's worth
         if guard.active:
             break
-    assert step == int(HANDOFF_LOSS * 8.0 / 0.5) + 1
+    assert step == int((HANDOFF_CREDIT + HANDOFF_LOSS) * 8.0 / 0.5) + 1
+    streaky = HandOff(costs)  # a winning call whose losses come in streaks: 5 losing steps after every 5 gaining
+    for _ in range(20):
+        for _ in range(5):
+            streaky.observe(8, 8, 20, 12.0)  # 2.5 tokens per row for 1.5x
+        for _ in range(5):
+            streaky.observe(8, 8, 8, 8.0 * (1 + HANDOFF_MARGIN) + 2.0)  # a quarter plain step lost each
+    assert streaky.handoffs == 0
+    fresh = HandOff(costs)  # no gains yet: no credit, the same losing streak hands off
+    for _ in range(5):
+        fresh.observe(8, 8, 8, 8.0 * (1 + HANDOFF_MARGIN) + 2.0)
+    assert fresh.handoffs == 1
     investing = HandOff(costs)
     investing.observe(8, 8, 8, 8.0, proposing_seconds=12.0)  # drafting worth 1.5 plain steps, weighed next step
-    assert not investing.active and investing.deficit == pytest.approx(12.0)
+    assert not investing.active and investing.deficit == pytest.approx(12.0 - HANDOFF_MARGIN * 8.0)
     investing.observe(8, 8, 24, 16.0)  # which reaps it: 3 tokens per row in 2 plain steps' time
     assert not investing.active and investing.deficit < 8.0
     padding_only = HandOff(costs)

@@ -94,6 +94,24 @@ def test_selected_inputs_equal_the_full_forward_and_the_rest_are_zero_logits(kin
     assert (output.logits[~selected] == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_left_padded_prefill_packed_to_its_real_tokens_equals_the_full_forward_there(kind):
+    """A prefill's selection is each row's real prompt tokens, a suffix under left padding: the attention mask keeps
+    the padding out of every real token's logits and hidden states."""
+    target = make_target(kind)
+    ids = torch.randint(3, TINY_VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
+    selected = torch.arange(6)[None, :] >= 6 - torch.tensor([6, 2, 4])[:, None]
+    mask = selected.long()
+    with torch.no_grad():
+        full = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        layers = LoopLayers(target, [target])
+        with layers.installed(), layers.speedups(), layers.packed(selected):
+            output = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    torch.testing.assert_close(output.logits[selected], full.logits[selected], rtol=1e-10, atol=1e-10)
+    for ours, theirs in zip(output.hidden_states, full.hidden_states):
+        torch.testing.assert_close(ours[selected], theirs[selected], rtol=1e-10, atol=1e-10)
+
+
 def test_layers_and_attention_are_restored_after_the_call_also_on_errors():
     target = make_target("llama")
     hooked = target.model.layers[0].mlp.up_proj

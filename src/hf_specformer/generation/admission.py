@@ -73,3 +73,9 @@ class Admissions:
     def width(self, rows: list[int]) -> int:
         """Prompt columns the prefill of `rows` needs: their longest prompt (at least 1)."""
         return max(1, max(self.prompt_lengths[row] for row in rows))
+
+    def prompt_mask(self, rows: list[int]) -> torch.BoolTensor:
+        """`[n, width(rows)]` on the host: True at the real (left-padded) prompt tokens of `rows` in their prefill."""
+        width = self.width(rows)
+        lengths = torch.tensor([self.prompt_lengths[row] for row in rows])
+        return torch.arange(width) >= width - lengths[:, None]

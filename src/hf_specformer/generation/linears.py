@@ -14,8 +14,10 @@ nearly all of the multiply-adds, work input by input, so they compute the select
 the others. The output cannot change: the selection is a prefix of each row (its last committed token and the drafts
 it verifies), so under the causal mask no selected input attends to an unselected one; an unselected input's logits
 are never read and it is never accepted, so `RaggedBatch.commit_cache` hides its cache column from every later
-query (the drafter reads hidden states at accepted inputs only). Only inputs shaped `[B, w + 1, d_in]` like the
-step's are packed; any other input (reshaped or routed) runs the layer as it is.
+query (the drafter reads hidden states at accepted inputs only). A prefill packs the same way: the selection is
+each row's real prompt tokens (left padding), which attend to no padding column, and only the last column's logits
+are read. Only inputs shaped like the selection `[B, T, d_in]` are packed; any other input (reshaped or routed, or
+the one-token steps after a packed prefill) runs the layer as it is.
 
 `LinearSwitch` installs one forward on every linear layer of the given modules for the length of a call
 (`installed()`, restored after it, also on exceptions); each forward of the loop then flips the switch

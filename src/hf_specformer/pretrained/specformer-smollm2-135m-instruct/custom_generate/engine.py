@@ -94,15 +94,18 @@ class _Loop:
     selector: TokenSelector
     reads: HostReads
     compaction_hole_fraction: float
+    packed: bool  # the target's linear layers compute only the inputs read (`SpeculationConfig.packed_verification`)
     room: int  # cache columns a step may add: k + 1, and the alternative draft's branch
     stats: SpecStats
     finished_rows: FinishedRows
 
 
-def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], rows: list[int], width: int,
-           proposal: Proposal | None, source_states: torch.Tensor | None):
-    """Brings `rows` (original row indices, prompts of at most `width` tokens) into the running batch: finished rows
-    leave first; the new rows' prefill runs on caches of their own, which commit their first tokens and propose as
+def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], rows: list[int],
+           prompt_mask: torch.BoolTensor, proposal: Proposal | None, source_states: torch.Tensor | None):
+    """Brings `rows` (original row indices, their prompts' mask `[n, width]` on the host) into the running batch:
+    finished rows leave first; the new rows' prefill runs on caches of their own (packed: the target's linear layers
+    compute the real prompt tokens only, `linears.LinearSwitch.packed`, since no real token attends to padding and
+    only the last column's logits are read), which commit their first tokens and propose as
     the running rows' proposal was made (drafted, not, or skipped before a plain step; by the schedule's word at the
     call's start); the proposers' deferred work runs, and the new rows' caches, batch state, proposal and source
     states `[B, d]` join the running ones'. Returns the joined (proposal, source_states)."""
@@ -111,12 +114,13 @@ def _admit(loop: _Loop, batch: RaggedBatch, caches: list[PreallocatedCache], row
                                                batch.live_rows())
     if batch.size:
         loop.proposer.flush(batch)
+    width = prompt_mask.shape[1]
     new = batch.admission(torch.tensor(rows, device=batch.tokens.device), width)
     loop.finished_rows.admit(new.size)
     cache = PreallocatedCache.like(loop.given_cache, len(caches[0].layers), width)
     proposer = loop.proposer.fork(width)
     position_ids = new.prompt_position_ids()
-    with loop.layers.speedups():
+    with loop.layers.speedups(), loop.layers.packed(prompt_mask, loop.packed):
         output = target_forward(loop.model, new.prompt_ids(), new.attention_mask, position_ids, cache,
                                 loop.hidden_state_indices, logits_to_keep=1)
     new.commit_prompt()
@@ -239,7 +243,7 @@ def speculative_decode(
     if proposer.num_draft_tokens == 0 and own_loop:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
                              LoopLayers(model, [model], speculation.cpu_speedups), speculative_streamer, row_finished,
-                             model_kwargs)
+                             speculation.packed_verification, model_kwargs)
     if proposer.num_draft_tokens == 0:  # plain steps in the engine (continuous batching, or seeded rows)
         proposer, companion = NoDrafts(), None
         speculation = dataclasses.replace(speculation, schedule="fixed")
@@ -252,7 +256,8 @@ def speculative_decode(
     scheduler = make_schedule(speculation, proposer.num_draft_tokens, profile, expected)
     if own_loop and not scheduler.speculation_pays(slots):
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer,
-                             layers, speculative_streamer, row_finished, model_kwargs)
+                             layers, speculative_streamer, row_finished, speculation.packed_verification,
+                             model_kwargs)
     with layers.installed():
         output = _decode(
             model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, speculative_streamer,
@@ -266,18 +271,22 @@ def speculative_decode(
 
 def _plain_decode(
     model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, layers, streamer,
-    row_finished, model_kwargs,
+    row_finished, packed, model_kwargs,
 ):
     """transformers' own decoding loop (`GenerationMixin._sample`) with `layers`' CPU speed-ups on, as the engine's
     plain (width-0) steps run: what a call runs with k = 0, or when the goodput scheduler predicts that no width pays
-    at its batch size. On the CPU testbed the few-row products make each step of this loop 10-40% cheaper than plain
-    `generate`'s at B = 4..32 (README, How it works); elsewhere, or with `cpu_speedups=False`, it is plain `generate`'s
+    at its batch size. With `packed`, the prefill's linear layers compute the real prompt tokens only, as the
+    engine's admissions do (inputs shaped like the prompt `[B, P]`; the one-token steps after it are not). On the CPU
+    testbed the few-row products make each step of this loop 10-40% cheaper than plain `generate`'s at B = 4..32
+    (README, How it works); elsewhere, or with `cpu_speedups=False` and `packed=False`, it is plain `generate`'s
     computation."""
     stats = proposer.stats = SpecStats(num_draft_tokens=proposer.num_draft_tokens, plain_decoding=True)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     model_kwargs = _preallocated(model, model_kwargs, generation_config.max_length)
-    with layers.installed(), layers.speedups():
+    mask = model_kwargs.get("attention_mask")
+    packing = layers.packed(mask.bool().cpu()) if packed and mask is not None else contextlib.nullcontext()  # a read
+    with layers.installed(), layers.speedups(), packing:
         output = GenerationMixin._sample(
             model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
         )
@@ -333,7 +342,8 @@ def _decode(
     loop = _Loop(model, given, proposer, scheduler, processor,
                  Committer(stopping_criteria, generation_config, max_new_tokens, speculative_streamer), layers,
                  companion, proposer.hidden_state_indices | _companion_state(model, companion), selector, HostReads(),
-                 speculation.compaction_hole_fraction, room, stats, FinishedRows(row_finished))
+                 speculation.compaction_hole_fraction, speculation.packed_verification, room, stats,
+                 FinishedRows(row_finished))
     proposer.start(capacity)
     caches = _caches(cache, proposer)
     clock = StepClock(input_ids.device)
@@ -345,7 +355,7 @@ def _decode(
     while True:
         rows = admissions.due(batch.num_live)
         while rows:  # the prefill of the rows admitted (all of them at the start, unless slots are fewer)
-            proposal, source_states = _admit(loop, batch, caches, rows, admissions.width(rows), proposal,
+            proposal, source_states = _admit(loop, batch, caches, rows, admissions.prompt_mask(rows), proposal,
                                              source_states)
             rows = [] if batch.size else admissions.due(0)  # every row admitted finished at its first token
         if batch.size == 0:

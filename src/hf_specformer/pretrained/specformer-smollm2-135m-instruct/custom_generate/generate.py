@@ -28,8 +28,9 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         (choices, and seeded samples, repeat exactly).
     cpu_speedups: on a CPU target, the loop's few-row matrix products and grouped-query attention
         (`linears.py`, `attention.py`; default True). Never applied on GPUs.
-    packed_verification: a step's linear layers compute only the inputs it verifies, and the goodput scheduler
-        picks (row, draft) pairs by their cost in inputs (`linears.py`; default True); False: padded steps.
+    packed_verification: a step's linear layers compute only the inputs it verifies, the prefill's only the real
+        prompt tokens, and the goodput scheduler picks (row, draft) pairs by their cost in inputs (`linears.py`;
+        default True); False: padded steps and prefills.
     confidence_threshold: with `schedule="fixed"`, a row verifies its drafts while their cumulative draft
         probability is at least this (default 0: all k; looked-up drafts count as certain).
     kernel_backend: verification's kernels: "auto" (Triton on CUDA), "triton" or "torch" (`hf_specformer.kernels`;

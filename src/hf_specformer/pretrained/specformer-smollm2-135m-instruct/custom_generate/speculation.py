@@ -46,7 +46,8 @@ class SpeculationConfig:
         step_costs: the goodput scheduler's `StepCostModel` (or its dict, or a saved file); None: those cached for
             this machine, else learnt from the call's own steps.
         cpu_speedups: on a CPU target, the loop's few-row products and grouped-query attention.
-        packed_verification: a step's linear layers compute only the inputs it verifies (`linears.py`).
+        packed_verification: a step's linear layers compute only the inputs it verifies, and a prefill's only the
+            real prompt tokens (`linears.py`).
         cost_feedback: the goodput scheduler learns step costs from the call's steps and hands a losing call over
             to plain steps (`feedback.py`).
         kernel_backend: verification's kernels, one of `KERNEL_BACKENDS` (None: `HF_SPECFORMER_KERNELS`).
