@@ -238,13 +238,11 @@ class HandOff:
     """The guard of the module docstring: `observe` each step that proposed or verified; `active` while the call runs
     plain steps because speculation fell behind."""
 
-    def __init__(self, costs: OnlineStepCosts, loss: float | None = None, backoff: int | None = None,
-                 credit: float | None = None):
+    def __init__(self, costs: OnlineStepCosts, loss: float | None = None, backoff: int | None = None):
         self.costs = costs
         self.loss = HANDOFF_LOSS if loss is None else loss
-        self.credit = HANDOFF_CREDIT if credit is None else credit
         self.backoff = HANDOFF_BACKOFF if backoff is None else backoff
-        self.deficit = 0.0  # seconds behind plain decoding, floored at -credit plain steps
+        self.deficit = 0.0  # seconds behind plain decoding, floored at -HANDOFF_CREDIT plain steps
         self.handoffs = 0
         self.plain_steps_left = 0
 
@@ -265,7 +263,7 @@ class HandOff:
             return
         plain = self.costs.plain(batch_size)
         self.deficit = max(self.deficit + seconds - (1 + HANDOFF_MARGIN) * plain * committed / num_live,
-                           -self.credit * plain)
+                           -HANDOFF_CREDIT * plain)
         if self.deficit > self.loss * plain:
             self.plain_steps_left = self.backoff * 2**self.handoffs
             self.handoffs += 1
