@@ -12,7 +12,7 @@ from helpers import PAD, assert_same_as_generate, make_batch, optimistic_table
 from hf_specformer import SpecFormerProposer, generate
 from hf_specformer.generation.costs import StepCostModel, cached_step_costs, profile_step_costs, step_costs_path
 from hf_specformer.generation import costs as costs_module
-from hf_specformer.generation import profiling
+from hf_specformer.generation import profiling, scheduling
 from hf_specformer.generation.forwards import LoopLayers, target_forward
 from hf_specformer.generation.profiling import measure_step_costs
 from hf_specformer.generation.scheduling import GoodputSchedule, num_drafts_to_verify
@@ -93,35 +93,51 @@ def brute_force_packed(cumulative: torch.Tensor, schedule: GoodputSchedule) -> f
     best = 0.0
     for counts in itertools.product(range(k + 1), repeat=batch):
         gain = sum(float(cumulative[b, :n].sum()) for b, n in enumerate(counts))
-        seconds = schedule.packed_step_seconds(batch, torch.tensor(float(batch + sum(counts))))
+        seconds = schedule.packed_step_seconds(batch, torch.tensor(float(batch + sum(counts))), max(counts))
         best = max(best, (batch + gain) / float(seconds))
     return best
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_packed_goodput_is_the_best_choice_of_row_prefixes(seed):
-    """The batch greedy over (row, draft) candidates reaches the best rate of all per-row prefix choices, and it
-    gives rows different counts where their estimates differ."""
+    """The batch greedy over (row, draft) candidates, under each rectangle width, reaches the best rate of all per-row
+    prefix choices (priced with their rectangle), and it gives rows different counts where their estimates differ."""
     generator = torch.Generator().manual_seed(seed)
     cumulative = (torch.rand(4, 3, generator=generator) ** 0.3).cumprod(1)
     schedule = GoodputSchedule(linear_costs(slope=0.3 + 0.1 * seed, max_width=3), 3, feedback=False)
     counts = schedule.choose(cumulative)
     gain = sum(float(cumulative[b, :n].sum()) for b, n in enumerate(counts.tolist()))
-    rate = (4 + gain) / float(schedule.packed_step_seconds(4, torch.tensor(4.0 + float(counts.sum()))))
+    seconds = schedule.packed_step_seconds(4, torch.tensor(4.0 + float(counts.sum())), int(counts.max()))
+    rate = (4 + gain) / float(seconds)
     assert rate == pytest.approx(brute_force_packed(cumulative, schedule))
 
 
 def test_packed_goodput_verifies_only_the_likely_drafts_of_each_row():
-    cumulative = torch.tensor([[0.9, 0.8, 0.7], [0.2, 0.1, 0.05], [0.95, 0.1, 0.05], [0.0, 0.0, 0.0]])
+    cumulative = torch.tensor([[0.95, 0.9, 0.85], [0.2, 0.1, 0.05], [0.95, 0.3, 0.1], [0.9, 0.85, 0.8]])
     schedule = GoodputSchedule(linear_costs(max_width=3), 3, feedback=False)
-    assert schedule.choose(cumulative).tolist() == [3, 0, 1, 0]
+    assert schedule.choose(cumulative).tolist() == [3, 0, 2, 3]  # row 2's third draft: not worth an input
+
+
+def test_packed_goodput_prices_the_rectangle_a_single_long_row_widens(monkeypatch):
+    """One row's three confident drafts would widen the rectangle of all eight rows from one input to four. Priced
+    by its verified inputs alone, that step looks cheap and is taken; priced with its unverified inputs at
+    `RECTANGLE_WEIGHT` it does not pay, and a plain step is. The same drafts on every row verify in full."""
+    lone = torch.tensor([[0.95, 0.9, 0.85]] + [[0.3, 0.1, 0.0]] * 7)
+    every_row = torch.tensor([[0.95, 0.9, 0.85]] * 8)
+    schedule = GoodputSchedule(linear_costs(slope=0.4, max_width=3), 3, feedback=False)
+    assert schedule.choose(lone).tolist() == [0] * 8
+    assert schedule.choose(every_row).tolist() == [3] * 8
+    monkeypatch.setattr(scheduling, "RECTANGLE_WEIGHT", 0.0)
+    assert schedule.choose(lone).tolist() == [3] + [0] * 7
 
 
 def test_packed_step_cost_interpolates_between_widths_and_ignores_noise():
     costs = StepCostModel([1, 8], [[1.0, 0.5, 3.0], [8.0, 12.0, 16.0]], [0.1, 0.8])  # B = 1: w = 1 measured too low
     schedule = GoodputSchedule(costs, 2, feedback=False)
-    seconds = schedule.packed_step_seconds(8, torch.tensor([8.0, 12.0, 16.0, 20.0, 24.0]))
-    assert seconds.tolist() == pytest.approx([8.0, 10.0, 12.0, 14.0, 16.0])
+    seconds = schedule.packed_step_seconds(8, torch.tensor([8.0, 12.0, 16.0, 20.0, 24.0]), 2)
+    # priced at T + (24 - T) / 2 inputs (half of the unverified rectangle): 8 (plain), 18, 20, 22, 24
+    assert seconds.tolist() == pytest.approx([8.0, 13.0, 14.0, 15.0, 16.0])
+    assert schedule.packed_step_seconds(8, torch.tensor([12.0, 16.0]), 1).tolist() == pytest.approx([11.0, 12.0])
     assert schedule.step_seconds(1).tolist() == [1.0, 1.0, 3.0]
 
 

@@ -18,9 +18,15 @@ Choices where the paper is silent or does not fit this engine:
 - Packed verification (the default, `linears.py`): a step's linear layers compute only the inputs it verifies, so
   its cost depends on the inputs fed in all, T = B + sum_b n_b. The paper's batch greedy applies as written: the
   (row, position) candidates by decreasing q_{b,j}, and the prefix of them that maximises (B + gain) / t(B, T).
-  t(B, T) is t(B, w) at the fractional width T / B - 1, interpolated between the widths measured (the attention,
-  still over the padded rectangle, is a small share of a step). The sort is stable, so every prefix of candidates
-  is a union of row prefixes, and the choice is the exact optimum over per-row prefixes under that cost.
+  t(B, T) is t(B, w) at the fractional width T / B - 1, interpolated between the widths measured. The rest of the
+  forward (attention, RoPE, norms) still runs over the padded rectangle of B (w + 1) inputs, w the widest row's
+  drafts, so a step is priced at T + `RECTANGLE_WEIGHT` (B (w + 1) - T) inputs (`effective_inputs`). For each cap
+  w = 0..k the greedy runs over the candidates j <= w, and the best of the k + 1 is taken. The costs are still
+  learnt per verified input (`observe`): learnt per priced input, one timed step of a nearly empty rectangle (one
+  row's draft widening all of them) made the line so flat that full widths looked cheap, and at B = 8 the next call
+  speculated where it had gone plain (README, Results). So the price of the rectangle comes on top of a slope that
+  already carries the average rectangle of the steps timed: it errs toward plain steps. The sort is stable, so every prefix of candidates is a union of row prefixes, and
+  the choice is the exact optimum over per-row prefixes under that cost.
 - Padded verification (`packed_verification=False`): every row feeds w + 1 inputs, and the cost depends on (B, w)
   only. The batch greedy then reduces to choosing w: once a row's position j <= w is paid for, verifying it is
   free. So w* = argmax_w (B + sum_b sum_{j<=w} q_{b,j}) / t(B, w), the exact optimum, and each row verifies its
@@ -70,6 +76,21 @@ EXPECTED_TOKENS_DECAY = 0.8
 
 ENGINE_OVERHEAD = 0.05
 """Margin by which the engine's predicted rate must beat plain decoding's for a call to speculate."""
+
+RECTANGLE_WEIGHT = 0.5
+"""What an input of a packed step's rectangle that verifies nothing (a row's padding after its last verified draft)
+costs, as a share of an input that is verified: the linear layers skip it, but the attention, RoPE, the norms, the
+activations and the packing's own scatter still run over the whole rectangle `[B, w + 1]`. Measured on the CPU
+testbed (SmolLM2 fp32, cache of 300 columns, medians of 8): at B = 16 a rectangle of 4 inputs per row verifying 2
+cost 260-304 ms against 227-257 ms for 2 per row (32 unverified inputs: 33-47 ms) and 319-388 ms for all 4 (32 more
+verified: 60-85 ms), a weight of 0.55; at B = 8, 184 against 164 and 210 ms, 0.77. 0.5 stays below both, so the
+scheduler still weighs a row's long draft at what it at least costs."""
+
+
+def effective_inputs(batch_size: int, num_inputs: float, width: int) -> float:
+    """The inputs a packed step is priced at: the `num_inputs` it verifies plus `RECTANGLE_WEIGHT` times the rest of
+    its rectangle of `batch_size` rows by `width` + 1 inputs."""
+    return num_inputs + RECTANGLE_WEIGHT * max(batch_size * (width + 1) - num_inputs, 0)
 
 
 def num_drafts_to_verify(draft_confidence: torch.Tensor, threshold: float) -> torch.LongTensor:
@@ -192,12 +213,15 @@ class GoodputSchedule:
         seconds += [self.costs.verify(batch_size, batch_size * (w + 1)) for w in range(1, self.num_draft_tokens + 1)]
         return torch.tensor(seconds, dtype=torch.float64).cummax(0).values
 
-    def packed_step_seconds(self, batch_size: int, num_inputs: torch.Tensor) -> torch.Tensor:
-        """Seconds of packed steps feeding `num_inputs` inputs in all (B..B (k + 1), any shape): a plain step at B
-        inputs, t_verify(B, T) above."""
+    def packed_step_seconds(self, batch_size: int, num_inputs: torch.Tensor, width: int) -> torch.Tensor:
+        """Seconds of packed steps feeding `num_inputs` inputs in all (B..B (k + 1), any shape) in a rectangle of
+        `width` + 1 inputs per row: a plain step at B inputs, t_verify(B, `effective_inputs`) above."""
         values = num_inputs.double()
-        seconds = [self.costs.plain(batch_size) if inputs <= batch_size else self.costs.verify(batch_size, inputs)
-                   for inputs in values.flatten().tolist()]
+        seconds = [
+            self.costs.plain(batch_size) if inputs <= batch_size
+            else self.costs.verify(batch_size, effective_inputs(batch_size, inputs, width))
+            for inputs in values.flatten().tolist()
+        ]
         return torch.tensor(seconds, dtype=torch.float64).view_as(values)
 
     def plain_step_due(self) -> bool:
@@ -243,18 +267,24 @@ class GoodputSchedule:
         return (cumulative[:, :width] > 0).sum(1)
 
     def _choose_packed(self, cumulative: torch.Tensor) -> torch.LongTensor:
-        """Packed steps, the paper's batch greedy: candidates (b, j) by decreasing q_{b,j} (a stable sort keeps each
-        row's drafts in order, so every prefix of candidates is a union of row prefixes), and the prefix of n
-        candidates that maximises (B + gain_n) / t_packed(B + n)."""
+        """Packed steps, the paper's batch greedy under each rectangle width w = 0..k: candidates (b, j <= w) by
+        decreasing q_{b,j} (a stable sort keeps each row's drafts in order, so every prefix of candidates is a union
+        of row prefixes), the prefix of n candidates that maximises (B + gain_n) / t_packed(B + n, w), and the best
+        of the k + 1 (the narrowest on ties)."""
         batch_size = cumulative.shape[0]
-        flat = cumulative.flatten()
-        gains, order = flat.sort(descending=True, stable=True)
-        gain = torch.cat([flat.new_zeros(1), gains.cumsum(0)])  # [B k + 1]
-        num_inputs = batch_size + torch.arange(gain.numel(), dtype=torch.float64)
-        best = int(((batch_size + gain) / self.packed_step_seconds(batch_size, num_inputs)).argmax())
-        chosen = torch.zeros_like(flat, dtype=torch.bool)
-        chosen[order[:best]] = True
-        return (chosen & (flat > 0)).view_as(cumulative).sum(1)
+        best_rate, best_counts = 0.0, torch.zeros(batch_size, dtype=torch.long)
+        for width in range(cumulative.shape[1] + 1):
+            flat = cumulative[:, :width].flatten()
+            gains, order = flat.sort(descending=True, stable=True)
+            gain = torch.cat([flat.new_zeros(1), gains.cumsum(0)])  # [B w + 1]
+            num_inputs = batch_size + torch.arange(gain.numel(), dtype=torch.float64)
+            rates = (batch_size + gain) / self.packed_step_seconds(batch_size, num_inputs, width)
+            best = int(rates.argmax())
+            if float(rates[best]) > best_rate:
+                chosen = torch.zeros_like(flat, dtype=torch.bool)
+                chosen[order[:best]] = True
+                best_rate, best_counts = float(rates[best]), (chosen & (flat > 0)).view(batch_size, width).sum(1)
+        return best_counts
 
     def _remember(self, expected_per_row: torch.Tensor) -> None:
         if self.expected is None:
