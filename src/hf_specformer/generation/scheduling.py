@@ -25,8 +25,9 @@ Choices where the paper is silent or does not fit this engine:
   learnt per verified input (`observe`): learnt per priced input, one timed step of a nearly empty rectangle (one
   row's draft widening all of them) made the line so flat that full widths looked cheap, and at B = 8 the next call
   speculated where it had gone plain (README, Results). So the price of the rectangle comes on top of a slope that
-  already carries the average rectangle of the steps timed: it errs toward plain steps. The sort is stable, so every prefix of candidates is a union of row prefixes, and
-  the choice is the exact optimum over per-row prefixes under that cost.
+  already carries the average rectangle of the steps timed: it errs toward plain steps. The sort is stable, so every
+  prefix of candidates is a union of row prefixes, and the choice is the exact optimum over per-row prefixes under
+  that cost.
 - Padded verification (`packed_verification=False`): every row feeds w + 1 inputs, and the cost depends on (B, w)
   only. The batch greedy then reduces to choosing w: once a row's position j <= w is paid for, verifying it is
   free. So w* = argmax_w (B + sum_b sum_{j<=w} q_{b,j}) / t(B, w), the exact optimum, and each row verifies its
