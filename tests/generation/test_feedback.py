@@ -186,6 +186,26 @@ def test_handoff_deficit_is_floored_so_gains_buy_only_their_credit_of_later_loss
     assert padding_only.deficit == 0.0
 
 
+def test_handoff_weighs_a_step_that_verified_nothing_by_its_proposing_only():
+    """Steps that had proposals but verified none ran plain forwards: however slow the machine ran them (drift since
+    t_plain was learnt), they add nothing but the proposing before the next step, and drafting for steps that
+    never verify still hands off."""
+    costs = OnlineStepCosts(StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8]))  # t_plain(8) = 8 s
+    drifted = HandOff(costs)
+    for _ in range(100):
+        drifted.observe(8, 8, 8, 12.0, verified=False)  # the machine at 1.5x: a plain step's work all the same
+    assert drifted.deficit == 0.0 and drifted.handoffs == 0
+    weighed = HandOff(costs)
+    weighed.observe(8, 8, 8, 12.0)  # the same seconds for a step that verified drafts (all rejected)
+    assert weighed.deficit == pytest.approx(12.0 - (1 + HANDOFF_MARGIN) * 8.0)
+    drafting = HandOff(costs)
+    for step in range(1, 100):
+        drafting.observe(8, 8, 8, 8.0, proposing_seconds=1.0, verified=False)  # drafts, then verifies none
+        if drafting.active:
+            break
+    assert step == int(HANDOFF_LOSS * 8.0 / 1.0) + 2  # the outlay passes the bound, tested at the next step
+
+
 class ConfidentWrongOracle(OracleProposer):
     """An oracle whose drafts are all wrong, with a calibrated table that expects 90% of them accepted: the
     scheduler's estimates say drafting pays while every verified draft is rejected."""
@@ -222,7 +242,7 @@ class HandOffEverySecondStep(HandOff):
     weighed = 0
 
     def observe(self, batch_size: int, num_live: int, committed: int, seconds: float,
-                proposing_seconds: float = 0.0) -> None:
+                proposing_seconds: float = 0.0, verified: bool = True) -> None:
         if self.active:
             return
         self.weighed += 1

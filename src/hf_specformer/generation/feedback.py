@@ -16,13 +16,17 @@ one timed step already prices every width, and a narrow step is never taken for 
 writes what it learnt as one (`StepCostModel.learnt`), so the next call can decide before it starts. A step that
 verifies nothing is a plain step (one input per row, with the CPU speed-ups, as `_plain_decode` runs it), since the
 drafter defers its work (`drafting.py`), so t_plain is measured in the loop itself: the engine runs a plain step
-first, and again whenever `PLAIN_REFRESH_STEPS` steps have passed without one.
+first, and again whenever `PLAIN_REFRESH_STEPS` steps have passed without one, and every step the schedule gives
+width 0 (with proposals or without) is timed as one too. On a shared machine the same plain step drifts in phases
+(CPU testbed, B = 1: 65 to 125 ms within one call), and steps of width 0 are the ones that keep t_plain, against
+which the guard and the learnt verification cost are measured, in step with that drift.
 
-The guard (`HandOff`), a one-sided CUSUM test. Every step that proposed or verified anything adds its seconds minus
+The guard (`HandOff`), a one-sided CUSUM test. Every step that verified drafts adds its seconds minus
 (1 + `HANDOFF_MARGIN`) times what plain steps would have taken for the tokens it committed, t_plain(B) c / L (c:
 tokens committed, B rows, L of them still generating), to a deficit floored at minus `HANDOFF_CREDIT` plain steps
-(gains bank that much credit, no more); the seconds it then spent proposing for the next step are added after the
-test, so drafting is weighed with the step that reaps it. When the deficit exceeds `HANDOFF_LOSS` plain steps, the
+(gains bank that much credit, no more); the seconds any step then spent proposing for the next step are added after
+the test, so drafting is weighed with the step that reaps it. A step that had proposals but verified none ran a
+plain step: only the test runs, since its seconds against t_plain would weigh the machine's drift. When the deficit exceeds `HANDOFF_LOSS` plain steps, the
 call hands off: nothing is proposed for the next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th hand-off), which are
 then plain steps, and the deficit restarts at zero. Bound: the floor only forgets gains, so each spell of
 speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its proposing included), net of what it
@@ -255,15 +259,22 @@ class HandOff:
         self.plain_steps_left = max(self.plain_steps_left - 1, 0)
 
     def observe(self, batch_size: int, num_live: int, committed: int, seconds: float,
-                proposing_seconds: float = 0.0) -> None:
+                proposing_seconds: float = 0.0, verified: bool = True) -> None:
         """A step of `batch_size` rows, `num_live` of them still generating (the rest finished, kept as padding),
         that committed `committed` tokens in `seconds`, then proposed for the next step in `proposing_seconds`: an
-        outlay weighed with the next step, which reaps it."""
+        outlay weighed with the next step, which reaps it.
+
+        A step that verified nothing (`verified=False`: the schedule gave every row width 0) ran a plain step's
+        forward, so only the outlay before it is tested and its own seconds are not weighed: against t_plain, they
+        would measure the machine's drift since t_plain was learnt, not speculation. On the CPU testbed (B = 1,
+        MT-bench) the shared machine's plain steps drifted between 65 and 125 ms within a call, and runs of such
+        steps at 105-110 ms against a t_plain of 81 ms made hand-offs of 32 and 128 plain steps on their own."""
         if not self.costs.plain_known or not num_live or self.active:  # active: proposed before the hand-off
             return
         plain = self.costs.plain(batch_size)
-        self.deficit = max(self.deficit + seconds - (1 + HANDOFF_MARGIN) * plain * committed / num_live,
-                           -HANDOFF_CREDIT * plain)
+        if verified:
+            self.deficit = max(self.deficit + seconds - (1 + HANDOFF_MARGIN) * plain * committed / num_live,
+                               -HANDOFF_CREDIT * plain)
         if self.deficit > self.loss * plain:
             self.plain_steps_left = self.backoff * 2**self.handoffs
             self.handoffs += 1

@@ -332,9 +332,9 @@ class GoodputSchedule:
         """Timed steps (`StepClock.read`): ("step", B, width, [drafts verified, accepted, rows still generating],
         proposed, drafting) with the seconds of verification (forward, verify, commit) and of proposing for the next
         step (propose, retire rows, compact); `proposed`: whether the step had proposals (False: a plain step by
-        this schedule's word, which times t_plain); `drafting`: the proposing that followed (None: skipped, False:
-        free drafts only, True: the drafter ran). Updates the costs and the hand-off guard, which weighs every
-        step except a plain one followed by a plain one."""
+        this schedule's word; every step of width 0 times t_plain); `drafting`: the proposing that followed (None: skipped, False:
+        free drafts only, True: the drafter ran). Updates the costs and the hand-off guard, which weighs the
+        steps that verified drafts and the proposing that follows any step (`HandOff.observe`)."""
         if not self.feedback:
             return
         for (_, batch_size, width, counts, proposed, drafting), (verify_seconds, draft_seconds) in steps:
@@ -342,11 +342,12 @@ class GoodputSchedule:
             if width:
                 self.costs.observe_verify(batch_size, batch_size + drafts, verify_seconds)
                 self.acceptance.observe(accepted, self.predictions.popleft())
-            elif not proposed:
+            else:  # a plain step's forward, whether or not there were proposals (feedback.py: drift)
                 self.costs.observe_plain(batch_size, verify_seconds + (draft_seconds if drafting is None else 0.0))
-                if self.handoff.active:
+                if self.handoff.active and not proposed:
                     self.handoff.plain_step()
             if drafting:
                 self.costs.observe_draft(batch_size, draft_seconds)
             if proposed or drafting is not None:
-                self.handoff.observe(batch_size, num_live, num_live + accepted, verify_seconds, draft_seconds)
+                self.handoff.observe(batch_size, num_live, num_live + accepted, verify_seconds, draft_seconds,
+                                     verified=width > 0)
