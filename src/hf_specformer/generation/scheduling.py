@@ -332,8 +332,8 @@ class GoodputSchedule:
         """Timed steps (`StepClock.read`): ("step", B, width, [drafts verified, accepted, rows still generating],
         proposed, drafting) with the seconds of verification (forward, verify, commit) and of proposing for the next
         step (propose, retire rows, compact); `proposed`: whether the step had proposals (False: a plain step by
-        this schedule's word; every step of width 0 times t_plain); `drafting`: the proposing that followed (None: skipped, False:
-        free drafts only, True: the drafter ran). Updates the costs and the hand-off guard, which weighs the
+        this schedule's word; every step of width 0 times t_plain); `drafting`: the proposing that followed (None:
+        skipped, False: free drafts only, True: the drafter ran). Updates the costs and the hand-off guard, which weighs the
         steps that verified drafts and the proposing that follows any step (`HandOff.observe`)."""
         if not self.feedback:
             return

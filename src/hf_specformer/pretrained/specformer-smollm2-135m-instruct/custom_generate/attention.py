@@ -20,9 +20,8 @@ most cases measured, else within 1 ulp), like the loop's few-row products (`line
 restores it after. transformers picks a layer's attention function from the shared `config._attn_implementation` on
 every forward and offers no per-call choice, so the switch is that attribute, set once per call; since the function
 equals SDPA's (up to summation order for packed queries), another thread running the same model meanwhile gets
-the same results. On other devices
-(where masked GQA would leave SDPA's fast kernels), for a single query (which `transformers` already handles without
-copies) and without a mask it calls `transformers`' own SDPA function.
+the same results. On other devices (where masked GQA would leave SDPA's fast kernels), for a single query (which
+`transformers` already handles without copies) and without a mask it calls `transformers`' own SDPA function.
 """
 
 from __future__ import annotations
