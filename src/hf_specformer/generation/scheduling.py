@@ -333,8 +333,8 @@ class GoodputSchedule:
         proposed, drafting) with the seconds of verification (forward, verify, commit) and of proposing for the next
         step (propose, retire rows, compact); `proposed`: whether the step had proposals (False: a plain step by
         this schedule's word; every step of width 0 times t_plain); `drafting`: the proposing that followed (None:
-        skipped, False: free drafts only, True: the drafter ran). Updates the costs and the hand-off guard, which weighs the
-        steps that verified drafts and the proposing that follows any step (`HandOff.observe`)."""
+        skipped, False: free drafts only, True: the drafter ran). Updates the costs and the hand-off guard, which
+        weighs the steps that verified drafts and the proposing that follows any step (`HandOff.observe`)."""
         if not self.feedback:
             return
         for (_, batch_size, width, counts, proposed, drafting), (verify_seconds, draft_seconds) in steps:

@@ -21,17 +21,17 @@ width 0 (with proposals or without) is timed as one too. On a shared machine the
 (CPU testbed, B = 1: 65 to 125 ms within one call), and steps of width 0 are the ones that keep t_plain, against
 which the guard and the learnt verification cost are measured, in step with that drift.
 
-The guard (`HandOff`), a one-sided CUSUM test. Every step that verified drafts adds its seconds minus
-(1 + `HANDOFF_MARGIN`) times what plain steps would have taken for the tokens it committed, t_plain(B) c / L (c:
-tokens committed, B rows, L of them still generating), to a deficit floored at minus `HANDOFF_CREDIT` plain steps
-(gains bank that much credit, no more); the seconds any step then spent proposing for the next step are added after
-the test, so drafting is weighed with the step that reaps it. A step that had proposals but verified none ran a
-plain step: only the test runs, since its seconds against t_plain would weigh the machine's drift. When the deficit
-exceeds `HANDOFF_LOSS` plain steps, the call hands off: nothing is proposed for the next `HANDOFF_BACKOFF` x
-2^(n - 1) steps (the n-th hand-off), which are then plain steps, and the deficit restarts at zero. Bound: the floor only forgets gains, so each spell of
-speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its proposing included), net of what it
-gained, before it is stopped, and the back-off doubles, so a call of N steps in which speculation never gains loses
-at most (HANDOFF_LOSS + one step's excess) x (1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
+The guard (`HandOff`), a one-sided CUSUM test. Every step that verified drafts adds its seconds minus (1 +
+`HANDOFF_MARGIN`) times what plain steps would have taken for the tokens it committed, t_plain(B) c / L (c: tokens
+committed, B rows, L of them still generating), to a deficit floored at minus `HANDOFF_CREDIT` plain steps (gains bank
+that much credit, no more); the seconds any step then spent proposing for the next step are added after the test, so
+drafting is weighed with the step that reaps it. A step that had proposals but verified none ran a plain step: only the
+test runs, since its seconds against t_plain would weigh the machine's drift. When the deficit exceeds `HANDOFF_LOSS`
+plain steps, the call hands off: nothing is proposed for the next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th
+hand-off), which are then plain steps, and the deficit restarts at zero. Bound: the floor only forgets gains, so each
+spell of speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its proposing included), net of
+what it gained, before it is stopped, and the back-off doubles, so a call of N steps in which speculation never gains
+loses at most (HANDOFF_LOSS + one step's excess) x (1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
 
 Why the credit: acceptance comes in streaks. At B = 1 on MT-bench (SmolLM2, k = 3) half the drafting steps accept
 nothing and each costs about a quarter of a plain step more than it returns, so with the deficit floored at zero
