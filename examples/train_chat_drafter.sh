@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fine-tune a SmolLM2 drafter for chat traffic on this CPU, and measure each change on held-out data. DRAFTER is the
-# start (default: the shipped one). The shipped drafter is this script's eighth change, which continues its seventh,
-# sixth and fifth, started from the drafter that `git archive 722f61c src/hf_specformer/pretrained | tar -x -C OLD`
-# restores under OLD/.
+# start (default: the shipped one). The shipped drafter is `examples/train_chat_drafter_gpu.py`'s fine-tune of this
+# script's eighth change (`git archive 8027633 src/hf_specformer/pretrained | tar -x -C OLD` restores it under OLD/),
+# which continues its seventh, sixth and fifth, started from the drafter that `git archive 722f61c ...` restores.
 #   1. the target writes chat prompts itself, steered over 11 categories (Magpie, `synthesize --categories all`);
 #   2. it answers them greedily with the continuous batch job (`distill`);
 #   3. two fine-tunes of the shipped drafter on those answers, from the same start, same steps and same split:

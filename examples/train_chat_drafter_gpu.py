@@ -1,0 +1,197 @@
+"""A chat round of the drafter on one GPU within a fixed time: prompts, answers and two fine-tunes in one process.
+
+`examples/train_chat_drafter.sh` runs the same recipe on a CPU over hours; here each stage has a time budget, so a
+lease of a few minutes gives one round at GPU scale:
+  1. synthesize: the target writes chat prompts over the 11 categories (Magpie, `synthesize_prompts`), in rounds
+     until `--prompts` or `--synthesize-seconds`; prompts sharing more than `--max-overlap` of their word 5-grams
+     with an MT-bench prompt (`--benchmark`) are dropped, so no benchmark prompt is trained on;
+  2. answer: the target answers them greedily in static batches (`answer_batch`) until all are answered or
+     `--answer-seconds`; every `--heldout-every`-th prompt is held out (calibration and evaluation, never trained on);
+  3. train: two fine-tunes of `--drafter` side by side, one process each (the target is small enough that one
+     process leaves most of the GPU idle): hard labels, and hard plus soft labels (forward KL, DistillSpec), both
+     with the draft-vocabulary loss on slots 1-3 at every reply position (the CPU recipe's fourth change). Each
+     measures held-out kappa before and after on the same `--eval-sequences` held-out answers; its training loop
+     stops at `--train-seconds` if its steps have not finished (SIGTERM: the step ends, then the weights are
+     exported and evaluated as they are). The evaluations come on top of that budget (on an H200 about 0.3 s per
+     answer each, host-bound).
+Everything lands in `--output`: `prompts.jsonl`, `train/` and `heldout/` (datasets), `hard/` and `soft/` (training
+runs, each with `eval.json` and `drafter/`), `timings.json`. The drafter shipped now is the `soft` run of these
+defaults on one H200 (README, "A chat round on one GPU").
+
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 python examples/train_chat_drafter_gpu.py --target SmolLM2.gguf \
+        --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output runs/chat-gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from hf_specformer.answering import GenerationSettings, Throughput, answer_batch
+from hf_specformer.batch_generation import make_record
+from hf_specformer.batching import plan_batches, prompt_ids
+from hf_specformer.prompts import load_prompts
+from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.training.synthesize import CATEGORY_SYSTEM_PROMPTS, synthesize_prompts
+
+logger = logging.getLogger("train_chat_drafter_gpu")
+
+VARIANTS = {"hard": {}, "soft": {"soft_label_weight": 1.0}}
+"""The two fine-tunes: name -> `DrafterTrainingConfig` options beyond the shared ones."""
+
+
+def word_ngrams(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    """The lower-cased word n-grams of `text`."""
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def overlaps(prompt: str, benchmark: list[set], max_overlap: float) -> bool:
+    """Whether more than `max_overlap` of the prompt's 5-grams occur in one benchmark prompt."""
+    grams = word_ngrams(prompt)
+    return bool(grams) and any(len(grams & other) / len(grams) > max_overlap for other in benchmark)
+
+
+def synthesize(target, tokenizer, args, deadline: float) -> list[dict]:
+    """Prompt records (`prompt`, `category`) sampled a batch at a time, the categories in turn, until `args.prompts` or
+    `deadline`; resumes `prompts.jsonl` in `args.output`."""
+    path = str(Path(args.output) / "prompts.jsonl")
+    per_round = args.batch_size  # one batch's worth of prompts per call: the deadline is checked every few batches
+    count = 0
+    while count < args.prompts and time.time() < deadline:
+        count = len(synthesize_prompts(target, tokenizer, min(count + per_round, args.prompts), path,
+                                       batch_size=args.batch_size, max_new_tokens=128, seed=args.seed,
+                                       categories=list(CATEGORY_SYSTEM_PROMPTS), progress=False))
+        logger.info("synthesized %d prompts", count)
+    return [json.loads(line) for line in open(path)]
+
+
+def answer(target, tokenizer, prompts: list[str], args, deadline: float) -> list[dict]:
+    """Greedy answers (records as `distill` writes them) to `prompts`, batch by batch until `deadline`."""
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, continuous=False)
+    todo = [(index, prompt_ids(tokenizer, prompt, True)) for index, prompt in enumerate(prompts)]
+    todo = [(index, ids) for index, ids in todo if len(ids) <= settings.max_prompt_tokens]
+    records, throughput = [], Throughput()
+    for batch in plan_batches(todo, settings.batch_size):
+        if time.time() > deadline:
+            break
+        answers = answer_batch(target, tokenizer, batch, settings, None, throughput)
+        records += [make_record(index, prompts[index], ids, answer_ids, tokenizer)
+                    for index, ids, answer_ids in answers]
+        logger.info("answered %d of %d prompts (%.0f tokens/s)", len(records), len(todo),
+                    throughput.tokens_per_second)
+    return records
+
+
+def train_variant(name: str, args: argparse.Namespace, deadline: float) -> None:
+    """One fine-tune (a child process): `train`, stopped by SIGTERM at `deadline` if it has not finished, then the
+    weights exported and evaluated as `train` would have."""
+    from hf_specformer.hub.export import export_drafter
+    from hf_specformer.training.checkpointing import write_atomically
+    from hf_specformer.training.config import DrafterTrainingConfig
+    from hf_specformer.training.evaluation import evaluate_kappa
+    from hf_specformer.training.train_drafter import DRAFTER_DIR, EVAL_FILE, train
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}: %(message)s")
+    output = Path(args.output)
+    config = DrafterTrainingConfig(
+        data=str(output / "train"), eval_data=str(output / "heldout_eval"), eval_fraction=0.0,
+        output_dir=str(output / name), target=args.target, init_from=args.drafter, draft_length=8,
+        epochs=args.epochs, per_device_batch_size=args.train_batch_size, learning_rate=args.learning_rate,
+        min_learning_rate=2e-5, warmup_ratio=0.05, positions_per_sequence=0, ce_positions_per_sequence=0,
+        draft_vocab_loss=True, loss_slots=3, max_length=512, mixed_precision=args.mixed_precision, eval_every=0,
+        save_every=0, save_dtype="bfloat16", seed=0, **VARIANTS[name],
+    )
+    target = load_target(args.target)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the timer stops the training loop only (`train` handles it there)
+    timer = threading.Timer(max(deadline - time.time(), 1.0), os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    result = train(config, target=target)
+    timer.cancel()
+    if not result.completed:
+        export_drafter(result.drafter, output / name / DRAFTER_DIR, dtype=torch.bfloat16)
+        heldout = Dataset.load_from_disk(config.eval_data)
+        rows = ({"input_ids": ids[: config.max_length], "prompt_length": length}
+                for ids, length in zip(heldout["input_ids"], heldout["prompt_length"]))
+        evaluation = evaluate_kappa(target, result.drafter, rows, config.draft_length)
+        write_atomically(output / name / EVAL_FILE, json.dumps({"step": result.state.step, "stopped": True,
+                                                               **evaluation}, indent=2))
+
+
+def main() -> None:
+    """Runs the three stages against their budgets and writes `timings.json` (seconds and counts per stage)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="the target (`smollm2` or a .gguf file)")
+    parser.add_argument("--drafter", required=True, help="the drafter folder to fine-tune")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--benchmark", default=None, help="prompts never to train on (MT-bench's JSONL)")
+    parser.add_argument("--max-overlap", type=float, default=0.2)
+    parser.add_argument("--prompts", type=int, default=16000)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--heldout-every", type=int, default=20)
+    parser.add_argument("--eval-sequences", type=int, default=100)
+    parser.add_argument("--synthesize-seconds", type=float, default=100)
+    parser.add_argument("--answer-seconds", type=float, default=140)
+    parser.add_argument("--train-seconds", type=float, default=200)
+    parser.add_argument("--epochs", type=float, default=3)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--train-batch-size", type=int, default=64)
+    parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="bf16")
+    parser.add_argument("--seed", type=int, default=11)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    timings, start = {}, time.time()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(args.target, device=device), load_tokenizer(args.target)
+    timings["load"] = time.time() - start
+    records = synthesize(target, tokenizer, args, time.time() + args.synthesize_seconds)
+    benchmark = [word_ngrams(prompt) for prompt in load_prompts(args.benchmark)] if args.benchmark else []
+    kept = [record for record in records if not overlaps(record["prompt"], benchmark, args.max_overlap)]
+    timings["synthesize"] = time.time() - start - timings["load"]
+    logger.info("%d prompts, %d kept after the benchmark filter", len(records), len(kept))
+
+    answered = answer(target, tokenizer, [record["prompt"] for record in kept], args,
+                      time.time() + args.answer_seconds)
+    timings["answer"] = time.time() - start - timings["load"] - timings["synthesize"]
+    del target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the children load their own copies
+    heldout = [record for record in answered if record["id"] % args.heldout_every == 0]
+    train_rows = [record for record in answered if record["id"] % args.heldout_every != 0]
+    Dataset.from_list(train_rows).save_to_disk(str(output / "train"))
+    Dataset.from_list(heldout).save_to_disk(str(output / "heldout"))
+    Dataset.from_list(heldout[: args.eval_sequences]).save_to_disk(str(output / "heldout_eval"))
+    logger.info("%d answers for training (%d reply tokens), %d held out", len(train_rows),
+                sum(len(r["input_ids"]) - r["prompt_length"] for r in train_rows), len(heldout))
+
+    deadline = time.time() + args.train_seconds
+    context = multiprocessing.get_context("spawn")
+    children = [context.Process(target=train_variant, args=(name, args, deadline)) for name in VARIANTS]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join()
+    timings["train"] = time.time() - deadline + args.train_seconds
+    timings.update(prompts=len(records), kept=len(kept), answered=len(answered), trained_on=len(train_rows),
+                   heldout=len(heldout), exit_codes=[child.exitcode for child in children])
+    (output / "timings.json").write_text(json.dumps(timings, indent=2))
+    logger.info("timings %s", timings)
+
+
+if __name__ == "__main__":
+    main()
