@@ -100,8 +100,8 @@ def train_variant(name: str, args: argparse.Namespace, deadline: float) -> None:
     from hf_specformer.hub.export import export_drafter
     from hf_specformer.training.checkpointing import write_atomically
     from hf_specformer.training.config import DrafterTrainingConfig
-    from hf_specformer.training.evaluation import evaluate_kappa
-    from hf_specformer.training.train_drafter import DRAFTER_DIR, EVAL_FILE, train
+    from hf_specformer.training.data import load_distilled, usable_rows
+    from hf_specformer.training.train_drafter import DRAFTER_DIR, EVAL_FILE, evaluate_heldout, train
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}: %(message)s")
     output = Path(args.output)
@@ -121,10 +121,8 @@ def train_variant(name: str, args: argparse.Namespace, deadline: float) -> None:
     timer.cancel()
     if not result.completed:
         export_drafter(result.drafter, output / name / DRAFTER_DIR, dtype=torch.bfloat16)
-        heldout = Dataset.load_from_disk(config.eval_data)
-        rows = ({"input_ids": ids[: config.max_length], "prompt_length": length}
-                for ids, length in zip(heldout["input_ids"], heldout["prompt_length"]))
-        evaluation = evaluate_kappa(target, result.drafter, rows, config.draft_length)
+        heldout = usable_rows(load_distilled(config.eval_data), config.max_length)  # as `train` reads it
+        evaluation = evaluate_heldout(target, result.drafter, heldout, config)
         write_atomically(output / name / EVAL_FILE, json.dumps({"step": result.state.step, "stopped": True,
                                                                **evaluation}, indent=2))
 
@@ -154,20 +152,24 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    timings, start = {}, time.time()
+    timings, stage_start = {}, [time.time()]
+
+    def lap(stage: str) -> None:
+        timings[stage] = time.time() - stage_start[0]
+        stage_start[0] = time.time()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, device=device), load_tokenizer(args.target)
-    timings["load"] = time.time() - start
+    lap("load")
     records = synthesize(target, tokenizer, args, time.time() + args.synthesize_seconds)
     benchmark = [word_ngrams(prompt) for prompt in load_prompts(args.benchmark)] if args.benchmark else []
     kept = [record for record in records if not overlaps(record["prompt"], benchmark, args.max_overlap)]
-    timings["synthesize"] = time.time() - start - timings["load"]
+    lap("synthesize")
     logger.info("%d prompts, %d kept after the benchmark filter", len(records), len(kept))
 
     answered = answer(target, tokenizer, [record["prompt"] for record in kept], args,
                       time.time() + args.answer_seconds)
-    timings["answer"] = time.time() - start - timings["load"] - timings["synthesize"]
+    lap("answer")
     del target
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the children load their own copies
@@ -186,7 +188,7 @@ def main() -> None:
         child.start()
     for child in children:
         child.join()
-    timings["train"] = time.time() - deadline + args.train_seconds
+    lap("train")  # with writing the datasets, a few seconds
     timings.update(prompts=len(records), kept=len(kept), answered=len(answered), trained_on=len(train_rows),
                    heldout=len(heldout), exit_codes=[child.exitcode for child in children])
     (output / "timings.json").write_text(json.dumps(timings, indent=2))

@@ -224,6 +224,14 @@ class WindowStats:
         }
 
 
+def evaluate_heldout(target: PreTrainedModel, drafter: SpecFormerForDrafting, eval_set: Dataset,
+                     config: DrafterTrainingConfig) -> dict:
+    """`evaluate_kappa` of `drafter` on `eval_set`'s sequences cut to `config.max_length`, k up to l_d."""
+    rows = ({"input_ids": ids[: config.max_length], "prompt_length": pl}
+            for ids, pl in zip(eval_set["input_ids"], eval_set["prompt_length"]))
+    return evaluate_kappa(target, drafter, rows, config.draft_length)
+
+
 def run_evaluation(
     accelerator: Accelerator, target: PreTrainedModel, drafter: torch.nn.Module, eval_set: Dataset,
     config: DrafterTrainingConfig, state: TrainerState, path: Path,
@@ -231,9 +239,7 @@ def run_evaluation(
     """kappa on the held-out split, on the main process only (the others wait); logged to the metrics file."""
     evaluation = {}
     if accelerator.is_main_process and len(eval_set) > 0:
-        rows = ({"input_ids": ids[: config.max_length], "prompt_length": pl}
-                for ids, pl in zip(eval_set["input_ids"], eval_set["prompt_length"]))
-        evaluation = evaluate_kappa(target, accelerator.unwrap_model(drafter), rows, config.draft_length)
+        evaluation = evaluate_heldout(target, accelerator.unwrap_model(drafter), eval_set, config)
         append_metrics(path, {"step": state.step, "eval": evaluation})
         logger.info("step %d: kappa %s", state.step, [round(value, 3) for value in evaluation["kappa"]])
     accelerator.wait_for_everyone()
