@@ -6,7 +6,8 @@
 Prompts come from any `datasets` source (`--prompts` repeated: local .jsonl/.json/.parquet files or Hub dataset
 names; the prompt column is detected). Each prompt is wrapped in the target's chat template (`--no-chat-template`
 for raw text) and answered with a drafter (plus prompt lookup, the goodput scheduler and, with
-`--suffix-index-tokens`, suffix drafts from everything the process answered before), or by plain `generate` with
+`--suffix-index-tokens`, suffix drafts from everything the process answered before, and with `--suffix-corpus`
+from a distilled data folder's replies too), or by plain `generate` with
 `--plain`; greedy by default, `--do-sample` for sampling. Speculation is lossless, so the answers are the target's
 own (greedy: token for token, up to low-precision ties; sampling: the same distribution).
 
@@ -17,9 +18,10 @@ transformers' `generate` with `--plain`), each lasting as long as its slowest ro
 
 Nothing is lost on interruption: every answer is appended to `<output>/progress/records*.jsonl` (see `records.py`)
 as soon as it is finished (with static batches, as its batch is) and a restart skips what is done. Under
-`accelerate launch` process r of n answers every n-th remaining prompt, on its own device, into its own records file. When every prompt is answered the main process
-writes `<output>/dataset` (a `datasets` folder: `id`, `prompt`, `input_ids` = prompt + answer ids,
-`prompt_length`, `response`) and `<output>/generations.jsonl` (`id`, `prompt`, `response`), ordered by id.
+`accelerate launch` process r of n answers every n-th remaining prompt, on its own device, into its own records
+file. When every prompt is answered the main process writes `<output>/dataset` (a `datasets` folder: `id`,
+`prompt`, `input_ids` = prompt + answer ids, `prompt_length`, `response`) and `<output>/generations.jsonl` (`id`,
+`prompt`, `response`), ordered by id.
 
 Choices: prompts are sorted by length within windows (`batching.py`; a continuous call takes a whole window);
 prompts longer than `max_prompt_tokens` are skipped and counted. A sampled answer is seeded by (seed, its prompt's
@@ -45,6 +47,7 @@ from .answering import GenerationSettings, Throughput, answer_batch, answer_cont
 from .batching import plan_batches, plan_windows, prompt_ids
 from .generation import SuffixIndex
 from .generation.speculation import LOOKUP_NGRAM_SIZE
+from .generation.suffix import MAX_INDEX_TOKENS
 from .records import (
     DATASET_DIR,
     GENERATIONS_FILE,
@@ -247,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     speculation.add_argument("--suffix-index-tokens", type=int, default=0,
                              help="cross-request suffix drafts from the prompts and answers this process has seen, "
                              "keeping at most this many tokens (0: off; e.g. 65536)")
+    speculation.add_argument("--suffix-corpus", default=None,
+                             help="a distilled data folder (`hf-specformer distill` output) whose replies seed the "
+                                  "suffix index (turns suffix drafts on; kept on top of --suffix-index-tokens)")
     speculation.add_argument("--alternative-draft", type=int, default=0,
                              help="greedy: also verify branches of N, each one of the drafter's next-best first drafts "
                                   "then its next N - 1 drafts (0: off; they pay only where a step's extra inputs are "
@@ -254,6 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
     speculation.add_argument("--num-alternatives", type=int, default=1,
                              help="with --alternative-draft: the branches (slot 1's 2nd .. (C + 1)-th best tokens)")
     return parser
+
+
+def seeded_suffix_index(max_tokens: int, corpus: str | os.PathLike | None = None) -> SuffixIndex:
+    """A `SuffixIndex` keeping `max_tokens` tokens of what is generated, first seeded with the replies of the distilled
+    data folder `corpus` (`load_distilled`): the target's own answers to earlier prompts, as SuffixDecoding's global
+    tree holds past outputs. The corpus is kept on top of `max_tokens`; being the oldest, it is what goes first once
+    more than `max_tokens` tokens have been generated. None: an empty index."""
+    from .training.data import load_distilled, reply_sequences
+
+    replies = [] if corpus is None else reply_sequences(load_distilled(corpus))
+    index = SuffixIndex(max_tokens + sum(reply.numel() for reply in replies))
+    index.add(replies)
+    return index
 
 
 def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> dict | None:
@@ -266,8 +285,9 @@ def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> 
                    "lookup_ngram_size": args.lookup_ngram_size, "schedule": args.schedule}
     if args.companion:
         speculation["companion_model"] = load_companion(args.companion, target)
-    if args.suffix_index_tokens:
-        speculation["suffix_index"] = SuffixIndex(args.suffix_index_tokens)  # one per process, for every batch
+    if args.suffix_index_tokens or args.suffix_corpus:  # one index per process, for every batch
+        speculation["suffix_index"] = seeded_suffix_index(args.suffix_index_tokens or MAX_INDEX_TOKENS,
+                                                          args.suffix_corpus)
     if args.alternative_draft:
         speculation.update(alternative_draft=args.alternative_draft, num_alternatives=args.num_alternatives)
     return speculation

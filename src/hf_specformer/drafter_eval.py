@@ -17,9 +17,10 @@ floating-point rounding: a gap above `MAX_GAP` means the live path computes some
 a bug to find, not a data problem. `--with-lookup` adds a live run with prompt lookup on top of the drafter, and
 `--with-suffix` one with prompt lookup and cross-request suffix drafts (`generation/suffix.py`) from one
 `SuffixIndex` for the whole evaluation, which holds what that run generated for the prompts before (never the
-plain answers, so nothing is drafted from the text being scored). `--alternative-draft N` repeats each live run with
-`alternative_draft=N` (slot 1's next-best tokens, each then the drafts after it, verified as branches of their own,
-`generation/alternatives.py`; `--num-alternatives C` of them), each with a suffix index of its own.
+plain answers, so nothing is drafted from the text being scored), seeded with `--suffix-corpus`'s replies if given.
+`--alternative-draft N` repeats each live run with `alternative_draft=N` (slot 1's next-best tokens, each then the
+drafts after it, verified as branches of their own, `generation/alternatives.py`; `--num-alternatives C` of them),
+each with a suffix index of its own.
 
 Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
 each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
@@ -37,15 +38,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .shipped_models import load_drafter
+from .batch_generation import seeded_suffix_index
 from .batching import cut_after_eos, eos_token_ids
 from .generation import SuffixIndex, generate
+from .generation.suffix import MAX_INDEX_TOKENS
 from .prompts import (
     DEFAULT_PROMPTS_FILE,
     chat_prompt_ids,
     find_shared_data,
     labelled_prompts,
 )
+from .shipped_models import load_drafter
 from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer
 from .training.evaluation import evaluate_kappa
 
@@ -97,15 +100,17 @@ ALTERNATIVE = "_alternative"
 """Suffix of a live run's key with the alternative draft (`generation/alternatives.py`)."""
 
 
-def _live_runs(with_lookup: bool, with_suffix: bool, alternative_draft: int, lookup_ngram_size: int) -> dict:
+def _live_runs(with_lookup: bool, with_suffix: bool, alternative_draft: int, lookup_ngram_size: int,
+               suffix_corpus: str | None) -> dict:
     """The live runs asked for: report key -> (prompt lookup's n-gram size, suffix index, alternative draft)."""
     runs = {"live": (0, None, 0)}
     if with_lookup:
         runs["live_lookup"] = (lookup_ngram_size, None, 0)
     if with_suffix:
-        runs["live_suffix"] = (lookup_ngram_size, SuffixIndex(), 0)
+        runs["live_suffix"] = (lookup_ngram_size, seeded_suffix_index(MAX_INDEX_TOKENS, suffix_corpus), 0)
     if alternative_draft:  # each run's twin, with a suffix index of its own
-        runs.update({run + ALTERNATIVE: (ngram, None if index is None else SuffixIndex(), alternative_draft)
+        runs.update({run + ALTERNATIVE: (ngram, None if index is None else
+                                         seeded_suffix_index(MAX_INDEX_TOKENS, suffix_corpus), alternative_draft)
                      for run, (ngram, index, _) in list(runs.items())})
     return runs
 
@@ -114,13 +119,13 @@ def _live_runs(with_lookup: bool, with_suffix: bool, alternative_draft: int, loo
 def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str], num_draft_tokens: int,
                      max_new_tokens: int, eos_token_ids: set[int], with_lookup: bool = False,
                      with_suffix: bool = False, alternative_draft: int = 0, num_alternatives: int = 1,
-                     lookup_ngram_size: int = 4) -> dict:
+                     lookup_ngram_size: int = 4, suffix_corpus: str | None = None) -> dict:
     """Teacher-forced and live acceptance of `drafter` on the target's greedy answers to `prompts` (token ids), per
     group and over `"all"`: `{group: {"num_prompts", "teacher_forced": {...}, "live": {...}, "live_lookup": {...},
     "live_suffix": {...}, "gap"}}` (`gap`: the largest |live - teacher-forced| slot acceptance)."""
     k = num_draft_tokens
     texts: dict[str, list[dict]] = {}
-    runs = _live_runs(with_lookup, with_suffix, alternative_draft, lookup_ngram_size)
+    runs = _live_runs(with_lookup, with_suffix, alternative_draft, lookup_ngram_size, suffix_corpus)
     tallies: dict[str, dict[str, LiveTally]] = {run: {} for run in runs}
     for prompt, group in zip(tqdm(prompts, desc="prompts"), groups):
         ids = torch.tensor([prompt], device=target.device)
@@ -203,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-lookup", action="store_true", help="also a live run with prompt lookup")
     parser.add_argument("--with-suffix", action="store_true",
                         help="also a live run with prompt lookup and cross-request suffix drafts")
+    parser.add_argument("--suffix-corpus", default=None,
+                        help="with --with-suffix: a distilled data folder whose replies seed the suffix index (never "
+                             "answers to the prompts evaluated)")
     parser.add_argument("--alternative-draft", type=int, default=0,
                         help="each live run also with branches of N: slot 1's next-best tokens, each then the "
                              "drafts after it, verified too (0: none)")
@@ -241,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = evaluate_drafter(target, drafter, [chat_prompt_ids(tokenizer, prompt) for prompt in prompts], groups,
                               args.num_draft_tokens, args.max_new_tokens, eos_token_ids(target, tokenizer),
                               with_lookup=args.with_lookup, with_suffix=args.with_suffix,
-                              alternative_draft=args.alternative_draft, num_alternatives=args.num_alternatives)
+                              alternative_draft=args.alternative_draft, num_alternatives=args.num_alternatives,
+                              suffix_corpus=args.suffix_corpus)
     print(table(report))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from conftest import make_drafter, make_target
 from helpers import PAD, assert_same_as_generate, committed_batch, make_batch
 
 from hf_specformer import PromptLookupProposer, SpecFormerProposer
-from hf_specformer.generation.drafting import lookup_drafts
+from hf_specformer.generation.drafting import Proposal, lookup_drafts, lookup_overrides
 
 
 def test_lookup_finds_the_latest_longest_match_and_stops_at_the_prefix():
@@ -17,11 +20,27 @@ def test_lookup_finds_the_latest_longest_match_and_stops_at_the_prefix():
         [3, 4, 5, 6, 7],  # no repeated bigram
         [7, 8, 3, 7, 8],  # match near the end: only 3 committed tokens follow it
     ])
-    drafts, found = lookup_drafts(batch, num_draft_tokens=4, max_ngram_size=3)
+    drafts, found, matched = lookup_drafts(batch, num_draft_tokens=4, max_ngram_size=3)
+    assert matched.tolist() == [2, 3, 0, 2]
     assert drafts[0].tolist() == [9, 4, 5, 6] and found[0].all()
     assert drafts[1].tolist() == [4, 2, 3, 8] and found[1].all()
     assert not found[2].any()
     assert drafts[3, :3].tolist() == [3, 7, 8] and found[3].tolist() == [True, True, True, False]
+
+
+def test_a_lookup_match_replaces_only_network_drafts_that_disagree_with_less_confidence_than_its_n_asks():
+    """Rows: network 0.8 sure of another first token (a 2-gram match yields, a 4-gram match replaces it); network
+    0.95 sure (kept against a 4-gram too); network agrees (replaced whatever its confidence); no network drafts."""
+    vocab = 8
+    logits = torch.full((3, 2, vocab), -30.0)
+    for row, (token, probability) in enumerate([(1, 0.8), (1, 0.95), (4, 0.99)]):
+        logits[row, :, token] = math.log(probability)
+        logits[row, :, 0] = math.log(1 - probability)
+    ids = torch.tensor([[4, 5], [4, 5], [4, 5]])
+    network = Proposal(logits)
+    assert lookup_overrides(network, ids, torch.tensor([2, 4, 2])).tolist() == [False, False, True]
+    assert lookup_overrides(network, ids, torch.tensor([4, 6, 2])).tolist() == [True, False, True]
+    assert lookup_overrides(Proposal(), ids, torch.tensor([2, 2, 2])).all()
 
 
 def test_lookup_needs_at_least_a_bigram():

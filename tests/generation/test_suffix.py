@@ -17,6 +17,7 @@ from hf_specformer import (
 from hf_specformer.generation.acceptance import (
     DRAFTER,
     LOOKUP,
+    NO_DRAFT,
     AcceptanceEstimator,
     AcceptanceTable,
     uniform_edges,
@@ -92,14 +93,14 @@ def test_generated_rows_are_added_without_padding():
 
 
 def test_prompt_lookup_goes_first_and_suffix_drafts_replace_only_weaker_network_drafts():
-    """Row 0: prompt lookup finds "5 6" -> 7 5 6. Row 1: suffix drafts 8 8 then a tie (the latest, 2), expected
-    accepted 1 + 1 + 0.5, below the one-hot oracle's 3: they replace its drafts only in a step where it does not
-    draft."""
+    """Row 0: prompt lookup finds "5 6" -> 7 5 6, whose first draft the oracle drafts too. Row 1: suffix drafts 8 8
+    then a tie (the latest, 2), expected accepted 1 + 1 + 0.5, below the one-hot oracle's 3: they replace its drafts
+    only in a step where it does not draft."""
     batch = committed_batch([[5, 6, 7, 5, 6], [1, 2, 3, 4]])
-    oracle = OracleProposer(torch.full((2, 8), 11), num_draft_tokens=3, vocab_size=16, pad_token_id=PAD)
+    oracle = OracleProposer(torch.tensor([[7] * 8, [11] * 8]), num_draft_tokens=3, vocab_size=16, pad_token_id=PAD)
     index = SuffixIndex()
     index.add([torch.tensor([5, 6, 9, 9, 9]), torch.tensor([3, 4, 8, 8, 8]), torch.tensor([3, 4, 8, 8, 2])])
-    proposer = SuffixProposer(PromptLookupProposer(oracle, max_ngram_size=3), index)
+    proposer = SuffixProposer(PromptLookupProposer(oracle, max_ngram_size=3), index, min_ngram_size=2)
     proposer.start(capacity=8)
     inputs = (batch, None, torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long))
     drafting = proposer.propose(*inputs)
@@ -108,6 +109,21 @@ def test_prompt_lookup_goes_first_and_suffix_drafts_replace_only_weaker_network_
     assert free.ids.tolist() == [[7, 5, 6], [8, 8, 2]] and (free.sources == LOOKUP).all()
     torch.testing.assert_close(free.confidence.double(), torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.5]],
                                dtype=torch.float64))
+
+
+def test_a_suffix_proposer_matches_4_grams_by_default():
+    """Row 0's last 4 tokens occurred in the index (-> 9 9); row 1 shares only its last 3 with it: nothing."""
+    index = SuffixIndex()
+    index.add([torch.tensor([1, 2, 3, 4, 9, 9, 9])])
+    proposer = SuffixProposer(PromptLookupProposer(OracleProposer(torch.full((2, 8), 11), num_draft_tokens=2,
+                                                                  vocab_size=16, pad_token_id=PAD)), index)
+    proposer.start(capacity=8)
+    batch = committed_batch([[1, 2, 3, 4], [8, 2, 3, 4]])
+    inputs = (batch, None, torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    free = proposer.propose(*inputs, draft=False)
+    assert free.ids[0].tolist() == [9, 9] and free.sources.tolist() == [[LOOKUP] * 2, [NO_DRAFT] * 2]
+    with pytest.raises(ValueError, match="min_ngram_size"):
+        SuffixProposer(proposer.proposer, index, max_ngram_size=3)
 
 
 def test_the_estimates_read_a_suffix_drafts_confidence():

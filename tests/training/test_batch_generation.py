@@ -92,6 +92,27 @@ def test_one_suffix_index_serves_every_batch_of_the_job(target, tokenizer, tmp_p
     assert sorted(map(len, index.sequences)) == sorted(map(len, spec["input_ids"]))
 
 
+def test_a_suffix_corpus_seeds_the_index_and_raises_acceptance_with_the_same_answers(target, tokenizer, tmp_path):
+    """`--suffix-corpus`: an earlier run's replies seed the job's index, on top of its own bound; the answers stay the
+    plain ones, and where the corpus holds what the target says, more drafts are accepted than without it."""
+    settings = GenerationSettings(max_new_tokens=24, batch_size=2)
+    plain = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / "plain"), settings, progress=False)
+    replies = sum(len(ids) - length for ids, length in zip(plain["input_ids"], plain["prompt_length"]))
+    make_drafter(target, draft_length=2).save_pretrained(tmp_path / "drafter")
+    kappa = {}
+    for name, corpus in (("alone", []), ("seeded", ["--suffix-corpus", str(tmp_path / "plain")])):
+        args = batch_generation.build_parser().parse_args(
+            ["--output", str(tmp_path), "--drafter", str(tmp_path / "drafter"), "--suffix-index-tokens", "64", *corpus])
+        speculation = {**batch_generation.speculation_from_args(args, target), **SPECULATION}
+        index = speculation["suffix_index"]
+        assert (index.num_tokens, index.max_tokens) == ((replies, 64 + replies) if corpus else (0, 64))
+        spec = generate_dataset(target, tokenizer, CHAT_PROMPTS, str(tmp_path / name), settings,
+                                speculation=speculation, progress=False)
+        assert spec["response"] == plain["response"]
+        kappa[name] = json.loads((tmp_path / name / PROGRESS_DIR / THROUGHPUT_FILE.format(0)).read_text())["kappa"]
+    assert kappa["seeded"] > kappa["alone"] + 0.2, kappa
+
+
 def test_the_alternative_draft_keeps_the_answers(target, tokenizer, tmp_path):
     """`--alternative-draft 2 --num-alternatives 2`: the options reach `generate`, and the answers are the plain
     ones."""

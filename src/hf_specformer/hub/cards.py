@@ -61,14 +61,15 @@ print(out.speculation_stats.tokens_per_step)
 
 New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (k <= l_d), `lookup_ngram_size`
 (prompt lookup on top of the drafter: where a row's last n tokens, n = 4 down to 2 by default, occurred earlier in
-the row, the tokens that followed them are the drafts; 0 turns it off), `schedule` (`"goodput"`, the default:
+the row, the tokens that followed them are the drafts unless the drafter is surer of another first draft; 0 turns it
+off), `schedule` (`"goodput"`, the default:
 Speculative Verification's goodput scheduler picks each step how many drafts to verify, 0 included, from
 acceptance estimates (this drafter's calibrated confidence table, in `config.json`) and step costs measured once on
 the running machine; each row verifies its own number of drafts in a packed step, whose linear layers compute
 only the inputs verified (`packed_verification=False`: padded steps of one width); a call where no step with
 drafts can pay runs plain decoding; `"fixed"`: verify k every step),
 `companion_model` (a Speculative Verification companion: its (S, A) signals replace the drafter's confidence),
-`suffix_index` (`True`: cross-request suffix drafts, where a row's last n tokens occurred in any row of the batch,
+`suffix_index` (`True`: cross-request suffix drafts, where a row's last 4 tokens occurred in any row of the batch,
 their most frequent continuation, with its frequency as confidence; with the `hf-specformer` package, a
 `SuffixIndex` kept across calls adds earlier calls' prompts and outputs),
 `step_costs` (the scheduler's cost model, to override the measurement), `confidence_threshold` (with

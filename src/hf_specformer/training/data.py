@@ -46,6 +46,12 @@ def _load_saved(path: Path) -> Dataset:
     return loaded["train"] if isinstance(loaded, DatasetDict) else loaded
 
 
+def reply_sequences(dataset: Dataset) -> list[torch.LongTensor]:
+    """The replies (tokens after `prompt_length`) of `dataset`, one 1-D tensor each, empty ones left out."""
+    replies = (ids[prompt_length:] for ids, prompt_length in zip(dataset["input_ids"], dataset["prompt_length"]))
+    return [torch.tensor(reply, dtype=torch.long) for reply in replies if reply]
+
+
 def reply_token_counts(dataset: Dataset) -> Counter:
     """How often each token occurs in the replies (after `prompt_length`) of `dataset`."""
     counts = Counter()

@@ -281,17 +281,19 @@ class SpecFormerProposer(Proposer):
 
 def lookup_drafts(
     batch: RaggedBatch, num_draft_tokens: int, max_ngram_size: int, min_ngram_size: int = 2
-) -> tuple[torch.LongTensor, torch.BoolTensor]:
+) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
     """Prompt lookup decoding (Saxena, 2023): the last n committed tokens of each active row, n = max_ngram_size down
     to min_ngram_size, are searched among the row's earlier tokens (prompt and output); the tokens that followed
     their latest earlier occurrence are the drafts. Longer n-grams win.
 
-    Returns drafts `[B, k]` and found `[B, k]` (False for rows without a match and past the committed prefix).
+    Returns drafts `[B, k]`, found `[B, k]` (False for rows without a match and past the committed prefix) and the
+    matched n `[B]` (0: no match).
     """
     prefix = batch.prefix_lengths()  # [B]
     width = min(batch.max_prefix, batch.tokens.shape[1])  # no host read: longer than every prefix
     tokens = batch.tokens[batch.row_ids, :width]  # [B, W]; beyond a row's prefix: scratch, never matched
     continuation = torch.full_like(prefix, -1)  # [B] first column after the matched occurrence
+    matched = torch.zeros_like(prefix)  # [B] its n
     for size in range(max_ngram_size, min_ngram_size - 1, -1):
         if width <= size:
             continue
@@ -299,10 +301,36 @@ def lookup_drafts(
         ends = torch.arange(size, width + 1, device=prefix.device)  # [W - n + 1] end of each window (exclusive)
         hit = (tokens.unfold(1, size, 1) == pattern[:, None, :]).all(-1) & (ends[None, :] < prefix[:, None])
         latest = torch.where(hit, ends[None, :], -1).amax(1)
+        matched = torch.where((continuation < 0) & (latest >= 0), size, matched)
         continuation = torch.where(continuation < 0, latest, continuation)
     columns = continuation[:, None] + torch.arange(num_draft_tokens, device=prefix.device)  # [B, k]
     found = (continuation[:, None] >= 0) & (columns < prefix[:, None])
-    return tokens.gather(1, columns.clamp(0, width - 1)), found
+    return tokens.gather(1, columns.clamp(0, width - 1)), found, matched
+
+
+LOOKUP_OVERRIDE_CONFIDENCE = (0.0, 0.0, 0.6, 0.7, 0.9)
+"""By matched n (index; longer n use the last): the network confidence in its first draft below which a prompt-lookup
+match whose first draft differs from the network's replaces the network's drafts. Measured teacher-forced (shipped
+drafter, k = 3; `README`): where the two first drafts differ, a 2-gram match's draft is right about 30% of the time,
+a 4-gram match's about 70%, and the network's about as often as its confidence says. Chosen on held-out chat answers
+(kappa 2.336 with lookup always first, 2.354 with these), then checked on MT-bench's (1.872, 1.880)."""
+
+
+def network_confidence(proposal: Proposal) -> torch.Tensor:
+    """`[B, k]` the network's probability of its most likely draft at each slot, from its unprocessed logits: what
+    its draft is worth against a free source's (a choice of source only; verification stays lossless either way)."""
+    return proposal.logits.float().softmax(-1).amax(-1)
+
+
+def lookup_overrides(proposal: Proposal, ids: torch.LongTensor, matched: torch.LongTensor) -> torch.BoolTensor:
+    """`[B]` the rows whose lookup match (first drafts `ids[:, 0]`, matched n `[B]`) replaces the network's drafts:
+    where the network did not draft, its first draft is the lookup's, or its confidence in it is below
+    `LOOKUP_OVERRIDE_CONFIDENCE[n]`."""
+    if not proposal.drafted:
+        return torch.ones_like(matched, dtype=torch.bool)
+    limits = torch.tensor(LOOKUP_OVERRIDE_CONFIDENCE, device=matched.device)
+    agrees = proposal.logits[:, 0].argmax(-1) == ids[:, 0]
+    return agrees | (network_confidence(proposal)[:, 0] < limits[matched.clamp(max=len(limits) - 1)])
 
 
 class WrappingProposer(Proposer):
@@ -349,7 +377,8 @@ class WrappingProposer(Proposer):
 
 
 class PromptLookupProposer(WrappingProposer):
-    """Another proposer's drafts, replaced by prompt lookup (`lookup_drafts`) wherever a match supplies them.
+    """Another proposer's drafts, replaced by prompt lookup (`lookup_drafts`) wherever a match supplies them and the
+    network, where it drafted, agrees on the first draft or is unsure of its own (`lookup_overrides`).
 
     Looked-up drafts cost no forward, and text often repeats its prompt or itself (names, code, lists), where a
     learned drafter's later slots rarely reach (n = 4..2 measured best, README). Looked-up drafts are ids
@@ -375,7 +404,8 @@ class PromptLookupProposer(WrappingProposer):
         """The wrapped proposer's proposal (its network drafts when `draft`) with lookup matches as fixed drafts in
         their place."""
         proposal = self.proposer.propose(batch, hidden_states, position_ids, source_index, draft)
-        ids, found = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
+        ids, found, matched = lookup_drafts(batch, self.num_draft_tokens, self.max_ngram_size)
+        found &= lookup_overrides(proposal, ids, matched)[:, None]
         elsewhere = proposal.sources if proposal.sources is not None else DRAFTER if proposal.drafted else NO_DRAFT
         if proposal.ids is None:
             return Proposal(proposal.logits, ids, torch.where(found, LOOKUP, elsewhere))

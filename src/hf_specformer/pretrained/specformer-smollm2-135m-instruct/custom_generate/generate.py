@@ -35,11 +35,10 @@ only torch, transformers (and numpy, which transformers requires) and siblings. 
         probability is at least this (default 0: all k; looked-up drafts count as certain).
     kernel_backend: verification's kernels: "auto" (Triton on CUDA), "triton" or "torch" (`hf_specformer.kernels`;
         default: `$HF_SPECFORMER_KERNELS`, else "auto").
-    suffix_index: add cross-request suffix drafts (`suffix.py`): where a row's last n committed tokens (n = 4 down
-        to 2) occurred in the batch's rows or in the `SuffixIndex`'s earlier requests, their most frequent
-        continuation drafts, with its frequency as confidence; prompt lookup's drafts go first. A `SuffixIndex`
-        also receives the call's rows (prompts and outputs) at the end, for later calls; True: a fresh one for
-        this call only. Default None: off.
+    suffix_index: add cross-request suffix drafts (`suffix.py`): where a row's last 4 committed tokens occurred in
+        the batch's rows or in the `SuffixIndex`'s earlier requests, their most frequent continuation drafts, with
+        its frequency as confidence; prompt lookup's drafts go first. A `SuffixIndex` also receives the call's rows
+        (prompts and outputs) at the end, for later calls; True: a fresh one for this call only. Default None: off.
     max_batch_size: the most rows decoded at once (default None: every row). The other rows wait and join the
         running batch as rows finish, each with a prefill of its own (continuous batching, `admission.py`), so a
         call over many prompts keeps its slots busy and its caches at `max_batch_size` rows. Outputs are those of
