@@ -268,7 +268,8 @@ class SuffixProposer(WrappingProposer):
             self.min_ngram_size,
         )
         if proposal.drafted:
-            found &= (expected_accepted(confidence * found) > expected_accepted(network_confidence(proposal)))[:, None]
+            network = expected_accepted(network_confidence(proposal.logits))
+            found &= (expected_accepted(confidence * found) > network)[:, None]
         sources = proposal.sources if proposal.sources is not None else torch.full_like(
             ids, DRAFTER if proposal.drafted else NO_DRAFT)
         if proposal.ids is not None:

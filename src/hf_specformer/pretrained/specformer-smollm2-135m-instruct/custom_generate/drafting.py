@@ -316,10 +316,11 @@ a 4-gram match's about 70%, and the network's about as often as its confidence s
 (kappa 2.336 with lookup always first, 2.354 with these), then checked on MT-bench's (1.872, 1.880)."""
 
 
-def network_confidence(proposal: Proposal) -> torch.Tensor:
-    """`[B, k]` the network's probability of its most likely draft at each slot, from its unprocessed logits: what
-    its draft is worth against a free source's (a choice of source only; verification stays lossless either way)."""
-    return proposal.logits.float().softmax(-1).amax(-1)
+def network_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The network's unprocessed draft logits `[B, j, V]` -> `[B, j]` its probability of its most likely draft at
+    each slot: what its draft is worth against a free source's (a choice of source only; verification stays lossless
+    either way)."""
+    return logits.float().softmax(-1).amax(-1)
 
 
 def lookup_overrides(proposal: Proposal, ids: torch.LongTensor, matched: torch.LongTensor) -> torch.BoolTensor:
@@ -329,8 +330,9 @@ def lookup_overrides(proposal: Proposal, ids: torch.LongTensor, matched: torch.L
     if not proposal.drafted:
         return torch.ones_like(matched, dtype=torch.bool)
     limits = torch.tensor(LOOKUP_OVERRIDE_CONFIDENCE, device=matched.device)
-    agrees = proposal.logits[:, 0].argmax(-1) == ids[:, 0]
-    return agrees | (network_confidence(proposal)[:, 0] < limits[matched.clamp(max=len(limits) - 1)])
+    first = proposal.logits[:, :1]  # [B, 1, V]
+    agrees = first[:, 0].argmax(-1) == ids[:, 0]
+    return agrees | (network_confidence(first)[:, 0] < limits[matched.clamp(max=len(limits) - 1)])
 
 
 class WrappingProposer(Proposer):
