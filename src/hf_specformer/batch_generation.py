@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def seeded_suffix_index(max_tokens: int, corpus: str | os.PathLike | None = None) -> SuffixIndex:
+def seeded_suffix_index(corpus: str | os.PathLike | None = None,
+                        max_tokens: int = MAX_INDEX_TOKENS) -> SuffixIndex:
     """A `SuffixIndex` keeping `max_tokens` tokens of what is generated, first seeded with the replies of the distilled
     data folder `corpus` (`load_distilled`): the target's own answers to earlier prompts, as SuffixDecoding's global
     tree holds past outputs. The corpus is kept on top of `max_tokens`; being the oldest, it is what goes first once
@@ -286,8 +287,8 @@ def speculation_from_args(args: argparse.Namespace, target: PreTrainedModel) -> 
     if args.companion:
         speculation["companion_model"] = load_companion(args.companion, target)
     if args.suffix_index_tokens or args.suffix_corpus:  # one index per process, for every batch
-        speculation["suffix_index"] = seeded_suffix_index(args.suffix_index_tokens or MAX_INDEX_TOKENS,
-                                                          args.suffix_corpus)
+        speculation["suffix_index"] = seeded_suffix_index(args.suffix_corpus,
+                                                          args.suffix_index_tokens or MAX_INDEX_TOKENS)
     if args.alternative_draft:
         speculation.update(alternative_draft=args.alternative_draft, num_alternatives=args.num_alternatives)
     return speculation

@@ -41,7 +41,6 @@ from tqdm.auto import tqdm
 from .batch_generation import seeded_suffix_index
 from .batching import cut_after_eos, eos_token_ids
 from .generation import SuffixIndex, generate
-from .generation.suffix import MAX_INDEX_TOKENS
 from .prompts import (
     DEFAULT_PROMPTS_FILE,
     chat_prompt_ids,
@@ -107,10 +106,10 @@ def _live_runs(with_lookup: bool, with_suffix: bool, alternative_draft: int, loo
     if with_lookup:
         runs["live_lookup"] = (lookup_ngram_size, None, 0)
     if with_suffix:
-        runs["live_suffix"] = (lookup_ngram_size, seeded_suffix_index(MAX_INDEX_TOKENS, suffix_corpus), 0)
+        runs["live_suffix"] = (lookup_ngram_size, seeded_suffix_index(suffix_corpus), 0)
     if alternative_draft:  # each run's twin, with a suffix index of its own
         runs.update({run + ALTERNATIVE: (ngram, None if index is None else
-                                         seeded_suffix_index(MAX_INDEX_TOKENS, suffix_corpus), alternative_draft)
+                                         seeded_suffix_index(suffix_corpus), alternative_draft)
                      for run, (ngram, index, _) in list(runs.items())})
     return runs
 
