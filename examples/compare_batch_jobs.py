@@ -53,6 +53,8 @@ def main() -> None:
     axes[0].set_title("tokens/s")
     axes[1].bar(labels, [rows[label]["kappa"] or 1.0 for label in labels])
     axes[1].set_title("kappa (tokens per row per forward)")
+    for axis in axes:
+        axis.tick_params(axis="x", labelrotation=20)  # long job labels must not overlap
     figure.tight_layout()
     figure.savefig(output.with_suffix(".png"))
 
