@@ -4,7 +4,9 @@
 lease of a few minutes gives one round at GPU scale:
   1. synthesize: the target writes chat prompts over the 11 categories (Magpie, `synthesize_prompts`), in rounds
      until `--prompts` or `--synthesize-seconds`; prompts sharing more than `--max-overlap` of their word 5-grams
-     with an MT-bench prompt (`--benchmark`) are dropped, so no benchmark prompt is trained on;
+     with an MT-bench prompt (`--benchmark`) are dropped, so no benchmark prompt is trained on, and a prompt of an
+     earlier round (`--exclude`, its `prompts.jsonl`) is never written again, so a later round never trains on an
+     earlier round's held-out prompts;
   2. answer: the target answers them greedily in static batches (`answer_batch`) until all are answered or
      `--answer-seconds`; every `--heldout-every`-th prompt is held out (calibration and evaluation, never trained on);
   3. train: two fine-tunes of `--drafter` side by side, one process each (the target is small enough that one
@@ -68,11 +70,12 @@ def synthesize(target, tokenizer, args, deadline: float) -> list[dict]:
     `deadline`; resumes `prompts.jsonl` in `args.output`."""
     path = str(Path(args.output) / "prompts.jsonl")
     per_round = args.batch_size  # one batch's worth of prompts per call: the deadline is checked every few batches
+    excluded = load_prompts(args.exclude) if args.exclude else []
     count = 0
     while count < args.prompts and time.time() < deadline:
         count = len(synthesize_prompts(target, tokenizer, min(count + per_round, args.prompts), path,
                                        batch_size=args.batch_size, max_new_tokens=128, seed=args.seed,
-                                       categories=list(CATEGORY_SYSTEM_PROMPTS), progress=False))
+                                       categories=list(CATEGORY_SYSTEM_PROMPTS), exclude=excluded, progress=False))
         logger.info("synthesized %d prompts", count)
     return [json.loads(line) for line in open(path)]
 
@@ -135,6 +138,8 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--benchmark", default=None, help="prompts never to train on (MT-bench's JSONL)")
     parser.add_argument("--max-overlap", type=float, default=0.2)
+    parser.add_argument("--exclude", nargs="+", default=None,
+                        help="earlier rounds' prompts.jsonl files: prompts never synthesized again")
     parser.add_argument("--prompts", type=int, default=16000)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=256)
