@@ -9,19 +9,29 @@ lease of a few minutes gives one round at GPU scale:
      earlier round's held-out prompts;
   2. answer: the target answers them greedily in static batches (`answer_batch`) until all are answered or
      `--answer-seconds`; every `--heldout-every`-th prompt is held out (calibration and evaluation, never trained on);
-  3. train: two fine-tunes of `--drafter` side by side, one process each (the target is small enough that one
-     process leaves most of the GPU idle): hard labels, and hard plus soft labels (forward KL, DistillSpec), both
-     with the draft-vocabulary loss on slots 1-3 at every reply position (the CPU recipe's fourth change). Each
+  3. train: fine-tunes of `--drafter` side by side, one process each (the target is small enough that one
+     process leaves most of the GPU idle): `--variants`, hard labels and hard plus soft labels (forward KL,
+     DistillSpec), with the draft-vocabulary loss on slots 1-3 at every reply position (the CPU recipe's fourth
+     change), on this round's training answers plus earlier rounds' (`--earlier-train`, their `train/`). Each
      measures held-out kappa before and after on the same `--eval-sequences` held-out answers; its training loop
      stops at `--train-seconds` if its steps have not finished (SIGTERM: the step ends, then the weights are
      exported and evaluated as they are). The evaluations come on top of that budget (on an H200 about 0.3 s per
      answer each, host-bound).
-Everything lands in `--output`: `prompts.jsonl`, `train/` and `heldout/` (datasets), `hard/` and `soft/` (training
-runs, each with `eval.json` and `drafter/`), `timings.json`. The drafter shipped now is the `soft` run of these
-defaults on one H200 (README, "A chat round on one GPU").
+Everything lands in `--output`: `prompts.jsonl`, `train/` and `heldout/` (this round's datasets), `train_all/` (with
+earlier rounds' answers, when given), `hard/` and `soft/` (training runs, each with `eval.json` and `drafter/`),
+`timings.json`. The drafter shipped now is the `soft` run of these defaults on one H200 (README, "A chat round on one
+GPU"):
 
     TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 python examples/train_chat_drafter_gpu.py --target SmolLM2.gguf \
         --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output runs/chat-gpu
+
+A second round starts from the shipped drafter, never re-synthesizes the first round's prompts, and trains once on
+both rounds' answers (soft labels added only +0.005 in the first, so one run leaves the other's time to the data):
+
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 python examples/train_chat_drafter_gpu.py --target SmolLM2.gguf \
+        --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output runs/gpu2 \
+        --exclude runs/gpu/prompts.jsonl --earlier-train runs/gpu/train --variants soft \
+        --benchmark ../shared/data/spec_bench_mtbench.jsonl
 """
 
 from __future__ import annotations
@@ -38,13 +48,14 @@ import time
 from pathlib import Path
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 
 from hf_specformer.answering import GenerationSettings, Throughput, answer_batch
 from hf_specformer.batch_generation import make_record
 from hf_specformer.batching import plan_batches, prompt_ids
 from hf_specformer.prompts import load_prompts
 from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.training.data import load_distilled
 from hf_specformer.training.synthesize import CATEGORY_SYSTEM_PROMPTS, synthesize_prompts
 
 logger = logging.getLogger("train_chat_drafter_gpu")
@@ -97,19 +108,30 @@ def answer(target, tokenizer, prompts: list[str], args, deadline: float) -> list
     return records
 
 
+def join_earlier_rounds(output: Path, earlier: list[str]) -> str:
+    """The folder (under `output`) of the answers to train on: this round's `train/`, or with `earlier` rounds'
+    training answers appended as `train_all/` (their held-out answers stay out, as their prompts do)."""
+    if not earlier:
+        return "train"
+    joined = concatenate_datasets([load_distilled(path) for path in [output / "train", *earlier]])
+    joined.save_to_disk(str(output / "train_all"))
+    logger.info("%d answers for training with %d earlier rounds'", len(joined), len(earlier))
+    return "train_all"
+
+
 def train_variant(name: str, args: argparse.Namespace, deadline: float) -> None:
     """One fine-tune (a child process): `train`, stopped by SIGTERM at `deadline` if it has not finished, then the
     weights exported and evaluated as `train` would have."""
     from hf_specformer.hub.export import export_drafter
     from hf_specformer.training.checkpointing import write_atomically
     from hf_specformer.training.config import DrafterTrainingConfig
-    from hf_specformer.training.data import load_distilled, usable_rows
+    from hf_specformer.training.data import usable_rows
     from hf_specformer.training.train_drafter import DRAFTER_DIR, EVAL_FILE, evaluate_heldout, train
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}: %(message)s")
     output = Path(args.output)
     config = DrafterTrainingConfig(
-        data=str(output / "train"), eval_data=str(output / "heldout_eval"), eval_fraction=0.0,
+        data=str(output / args.train_data), eval_data=str(output / "heldout_eval"), eval_fraction=0.0,
         output_dir=str(output / name), target=args.target, init_from=args.drafter, draft_length=8,
         epochs=args.epochs, per_device_batch_size=args.train_batch_size, learning_rate=args.learning_rate,
         min_learning_rate=2e-5, warmup_ratio=0.05, positions_per_sequence=0, ce_positions_per_sequence=0,
@@ -140,6 +162,10 @@ def main() -> None:
     parser.add_argument("--max-overlap", type=float, default=0.2)
     parser.add_argument("--exclude", nargs="+", default=None,
                         help="earlier rounds' prompts.jsonl files: prompts never synthesized again")
+    parser.add_argument("--earlier-train", nargs="+", default=[],
+                        help="earlier rounds' train/ datasets, trained on with this round's answers")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the fine-tunes to run side by side")
     parser.add_argument("--prompts", type=int, default=16000)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -185,17 +211,18 @@ def main() -> None:
     Dataset.from_list(heldout[: args.eval_sequences]).save_to_disk(str(output / "heldout_eval"))
     logger.info("%d answers for training (%d reply tokens), %d held out", len(train_rows),
                 sum(len(r["input_ids"]) - r["prompt_length"] for r in train_rows), len(heldout))
+    args.train_data = join_earlier_rounds(output, args.earlier_train)
 
     deadline = time.time() + args.train_seconds
     context = multiprocessing.get_context("spawn")
-    children = [context.Process(target=train_variant, args=(name, args, deadline)) for name in VARIANTS]
+    children = [context.Process(target=train_variant, args=(name, args, deadline)) for name in args.variants]
     for child in children:
         child.start()
     for child in children:
         child.join()
     lap("train")  # with writing the datasets, a few seconds
     timings.update(prompts=len(records), kept=len(kept), answered=len(answered), trained_on=len(train_rows),
-                   heldout=len(heldout), exit_codes=[child.exitcode for child in children])
+                   heldout=len(heldout), train_data=args.train_data, exit_codes=[child.exitcode for child in children])
     (output / "timings.json").write_text(json.dumps(timings, indent=2))
     logger.info("timings %s", timings)
 
