@@ -119,9 +119,9 @@ def join_earlier_rounds(output: Path, earlier: list[str]) -> str:
     return "train_all"
 
 
-def train_variant(name: str, args: argparse.Namespace, deadline: float) -> None:
-    """One fine-tune (a child process): `train`, stopped by SIGTERM at `deadline` if it has not finished, then the
-    weights exported and evaluated as `train` would have."""
+def train_variant(name: str, args: argparse.Namespace, data: str, deadline: float) -> None:
+    """One fine-tune (a child process) on the answers in `data` (a folder under `args.output`): `train`, stopped by
+    SIGTERM at `deadline` if it has not finished, then the weights exported and evaluated as `train` would have."""
     from hf_specformer.hub.export import export_drafter
     from hf_specformer.training.checkpointing import write_atomically
     from hf_specformer.training.config import DrafterTrainingConfig
@@ -131,7 +131,7 @@ def train_variant(name: str, args: argparse.Namespace, deadline: float) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}: %(message)s")
     output = Path(args.output)
     config = DrafterTrainingConfig(
-        data=str(output / args.train_data), eval_data=str(output / "heldout_eval"), eval_fraction=0.0,
+        data=str(output / data), eval_data=str(output / "heldout_eval"), eval_fraction=0.0,
         output_dir=str(output / name), target=args.target, init_from=args.drafter, draft_length=8,
         epochs=args.epochs, per_device_batch_size=args.train_batch_size, learning_rate=args.learning_rate,
         min_learning_rate=2e-5, warmup_ratio=0.05, positions_per_sequence=0, ce_positions_per_sequence=0,
@@ -211,18 +211,19 @@ def main() -> None:
     Dataset.from_list(heldout[: args.eval_sequences]).save_to_disk(str(output / "heldout_eval"))
     logger.info("%d answers for training (%d reply tokens), %d held out", len(train_rows),
                 sum(len(r["input_ids"]) - r["prompt_length"] for r in train_rows), len(heldout))
-    args.train_data = join_earlier_rounds(output, args.earlier_train)
+    train_data = join_earlier_rounds(output, args.earlier_train)
 
     deadline = time.time() + args.train_seconds
     context = multiprocessing.get_context("spawn")
-    children = [context.Process(target=train_variant, args=(name, args, deadline)) for name in args.variants]
+    children = [context.Process(target=train_variant, args=(name, args, train_data, deadline))
+                for name in args.variants]
     for child in children:
         child.start()
     for child in children:
         child.join()
     lap("train")  # with writing the datasets, a few seconds
     timings.update(prompts=len(records), kept=len(kept), answered=len(answered), trained_on=len(train_rows),
-                   heldout=len(heldout), train_data=args.train_data, exit_codes=[child.exitcode for child in children])
+                   heldout=len(heldout), train_data=train_data, exit_codes=[child.exitcode for child in children])
     (output / "timings.json").write_text(json.dumps(timings, indent=2))
     logger.info("timings %s", timings)
 
