@@ -56,6 +56,7 @@ from .speculation import SpeculationConfig
 from .stats import SpecStats
 from .verification import verify_greedy, verify_sampling
 
+
 @dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus `speculation_stats` (a `SpecStats`)."""
@@ -372,38 +373,21 @@ def _decode(
         width = max(counts.tolist())  # drafts fed per row this step (counts are on the host)
         num_drafts = counts.to(last_committed.device, non_blocking=True).masked_fill(batch.finished, 0)
         scheduler.stepped(proposed)
-        branch_length = min(int(speculation.alternative_draft), width)
-        branches = (alternative_branches(proposal.logits, draft_ids, branch_length, speculation.num_alternatives)
-                    if branch_length and proposal.drafted else None)  # [B, c, m]
-        draft_ids = draft_ids[:, :width]
-        step_ids = torch.cat([last_committed[:, None], draft_ids], dim=1)  # [B, width + 1]
-        num_inputs = width + 1 + (0 if branches is None else branches[0].numel())
-        attention_mask, position_ids = batch.step_inputs(num_inputs)
-        verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
-        if branches is not None:  # slot 1's next-best tokens and the drafts after them, branches of their own
-            step_ids, attention_mask, position_ids, verified = alternative_inputs(
-                step_ids, attention_mask, position_ids, verified, branches, model.dtype)
+        step_ids, attention_mask, position_ids, verified, branches = _step_inputs(
+            model, batch, speculation, proposal, draft_ids, last_committed, counts, width)
+        num_inputs = step_ids.shape[1]
         with layers.speedups(), layers.packed(verified, speculation.packed_verification):
             output = target_forward(
                 model, step_ids, attention_mask, position_ids, cache, hidden_state_indices, logits_to_keep=0
             )
-        target_scores = processor(batch, output.logits[:, : width + 1])  # [B, width + 1, V]; drafts in the scratch
-        if selector.rejection_sampling:
-            target_probs = target_scores.softmax(-1)
-            q = draft_distributions(draft_ids, sources, draft_probs, target_probs.shape[-1])
-            tokens, num_accepted = verify_sampling(draft_ids, q, target_probs, num_drafts,
-                                                     kernel_backend=speculation.kernel_backend)
-        else:
-            tokens, num_accepted = verify_greedy(draft_ids, selector.scores_to_verify(target_scores, batch), num_drafts,
-                                                 speculation.kernel_backend)
+        draft_ids = draft_ids[:, :width]
+        tokens, num_accepted = _verify_drafts(selector, processor, batch, output.logits[:, : width + 1], draft_ids,
+                                              sources, draft_probs, num_drafts, speculation.kernel_backend)
         if estimator is not None and predicted is not None:
             estimator.observe(num_accepted, num_drafts)
         if branches is not None:
-            branch_predictions = processor(batch, output.logits[:, width + 1:], offset=1).argmax(-1)
-            tokens, num_accepted, taken, choice = take_alternatives(
-                tokens, num_accepted, branches, branch_predictions.view(branches.shape), num_drafts)
-            output["hidden_states"] = move_alternatives(cache, output.hidden_states, taken, choice, width + 1,
-                                                        num_inputs, branch_length)
+            tokens, num_accepted = _take_alternatives(processor, batch, cache, output, tokens, num_accepted, branches,
+                                                      num_drafts, width)
         live = ~batch.finished
         stats.record(batch.row_ids, num_accepted, input_ids.shape[0], num_drafts, predicted, live)
         batch.commit_cache((num_accepted + 1) * live, num_inputs)
@@ -428,6 +412,52 @@ def _decode(
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences
+
+
+def _step_inputs(model, batch: RaggedBatch, speculation: SpeculationConfig, proposal: Proposal | None,
+                 draft_ids: torch.LongTensor, last_committed: torch.LongTensor, counts: torch.LongTensor, width: int):
+    """A step's target inputs: each row's last committed token and its first `width` drafts (`draft_ids` `[B, >= w]`,
+    `counts` `[B]` on the host: the drafts each row verifies), then, with the alternative draft, slot 1's next-best
+    tokens and the drafts after them as branches of their own (`alternative_inputs`) -> (ids `[B, T]`, attention
+    mask, positions `[B, T]`, verified `[B, T]` on the host, branches `[B, c, m]` or None)."""
+    branch_length = min(int(speculation.alternative_draft), width)
+    branches = (alternative_branches(proposal.logits, draft_ids, branch_length, speculation.num_alternatives)
+                if branch_length and proposal.drafted else None)
+    step_ids = torch.cat([last_committed[:, None], draft_ids[:, :width]], dim=1)  # [B, width + 1]
+    num_inputs = width + 1 + (0 if branches is None else branches[0].numel())
+    attention_mask, position_ids = batch.step_inputs(num_inputs)
+    verified = torch.arange(width + 1) <= counts[:, None]  # [B, width + 1], on the host
+    if branches is None:
+        return step_ids, attention_mask, position_ids, verified, None
+    return *alternative_inputs(step_ids, attention_mask, position_ids, verified, branches, model.dtype), branches
+
+
+def _verify_drafts(selector: TokenSelector, processor: RaggedLogitsProcessor, batch: RaggedBatch,
+                   logits: torch.Tensor, draft_ids: torch.LongTensor, sources: torch.LongTensor,
+                   draft_probs: torch.Tensor | None, num_drafts: torch.LongTensor, kernel_backend: str | None):
+    """The target's logits at each row's committed token and drafts `[B, w + 1, V]` against its drafts `[B, w]` ->
+    (tokens `[B, w + 1]`, accepted drafts `[B]`): greedy matching, or rejection sampling against the draft
+    distributions (`draft_distributions`: the drafter's, one-hot for fixed drafts)."""
+    target_scores = processor(batch, logits)  # drafts in the scratch
+    if not selector.rejection_sampling:
+        return verify_greedy(draft_ids, selector.scores_to_verify(target_scores, batch), num_drafts, kernel_backend)
+    target_probs = target_scores.softmax(-1)
+    q = draft_distributions(draft_ids, sources, draft_probs, target_probs.shape[-1])
+    return verify_sampling(draft_ids, q, target_probs, num_drafts, kernel_backend=kernel_backend)
+
+
+def _take_alternatives(processor: RaggedLogitsProcessor, batch: RaggedBatch, cache: PreallocatedCache, output,
+                       tokens: torch.LongTensor, num_accepted: torch.LongTensor, branches: torch.LongTensor,
+                       num_drafts: torch.LongTensor, width: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """The chain's verification (tokens `[B, w + 1]`, num_accepted `[B]`) with the branches `[B, c, m]` verified
+    after it (`take_alternatives`); a row that takes a branch has its cache columns and the step's hidden states
+    (`output.hidden_states`, replaced) moved to the chain's places."""
+    branch_predictions = processor(batch, output.logits[:, width + 1:], offset=1).argmax(-1)
+    tokens, num_accepted, taken, choice = take_alternatives(
+        tokens, num_accepted, branches, branch_predictions.view(branches.shape), num_drafts)
+    output["hidden_states"] = move_alternatives(cache, output.hidden_states, taken, choice, width + 1,
+                                                output.logits.shape[1], branches.shape[2])
+    return tokens, num_accepted
 
 
 def _propose(scheduler: Schedule, proposer: Proposer, layers: LoopLayers, batch: RaggedBatch, output, position_ids,
