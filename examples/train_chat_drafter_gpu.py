@@ -32,6 +32,9 @@ both rounds' answers (soft labels added only +0.005 in the first, so one run lea
         --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output runs/gpu2 \
         --exclude runs/gpu/prompts.jsonl --earlier-train runs/gpu/train --variants soft \
         --benchmark ../shared/data/spec_bench_mtbench.jsonl
+
+`runs/` is not committed: where the first round's folder is gone, a round without `--exclude` and `--earlier-train`
+trains on its own answers only. Paths that do not exist are refused before the target loads.
 """
 
 from __future__ import annotations
@@ -152,6 +155,12 @@ def train_variant(name: str, args: argparse.Namespace, data: str, deadline: floa
                                                                **evaluation}, indent=2))
 
 
+def missing_inputs(args: argparse.Namespace) -> list[str]:
+    """The paths among `--drafter`, `--benchmark`, `--exclude` and `--earlier-train` that do not exist."""
+    paths = [args.drafter, args.benchmark, *(args.exclude or []), *args.earlier_train]
+    return [path for path in paths if path is not None and not Path(path).exists()]
+
+
 def main() -> None:
     """Runs the three stages against their budgets and writes `timings.json` (seconds and counts per stage)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -180,6 +189,9 @@ def main() -> None:
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="bf16")
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args()
+    missing = missing_inputs(args)
+    if missing:  # before minutes of synthesis and answering, not after them
+        parser.error(f"not found: {', '.join(missing)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
