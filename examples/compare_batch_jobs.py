@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
-import torch
-
 from hf_specformer.records import PROGRESS_DIR, THROUGHPUT_FILE
+from hf_specformer.targets import describe_machine
 
 
 def main() -> None:
@@ -39,7 +37,7 @@ def main() -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps({
         "jobs": jobs, "results": rows,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": describe_machine(),
     }, indent=2))
 
     import matplotlib

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
-
-import torch
 
 from hf_specformer import generate, generate_batch
 from hf_specformer.shipped_models import load_drafter
 from hf_specformer.batching import cut_after_eos, eos_token_ids, left_pad
 from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
-from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.targets import describe_machine, load_target, load_tokenizer
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 
@@ -136,7 +133,7 @@ def write(output: Path, config: dict, results: list[dict]) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps({
         "config": config, "results": results,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": describe_machine(),
     }, indent=2))
 
     import matplotlib

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
-
-import torch
 
 from hf_specformer import generate_batch
 from hf_specformer.shipped_models import load_drafter
 from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
-from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.targets import describe_machine, load_target, load_tokenizer
 
 
 def resident_mib() -> tuple[float, float]:
@@ -85,7 +82,7 @@ def main() -> None:
         "peak_growth": samples[-1][2] / peak_at_100 - 1,
         "samples": [{"requests": done, "rss_mib": rss, "peak_mib": peak} for done, rss, peak in samples
                     if done % 25 == 0 or done == len(samples)],
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": describe_machine(),
     }
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

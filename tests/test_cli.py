@@ -176,7 +176,11 @@ def test_bench_rounds_reverse_the_order_and_count_every_row(tmp_path):
     assert [(row["batch_size"], row["num_batches"], row["rounds"], row["rows"]) for row in rows] == \
         [(1, 2, 2, 4), (2, 1, 2, 4)]
     assert all(row["mismatched_rows"] == 0 and row["plain_seconds"] > 0 for row in rows)
-    assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
+    assert (tmp_path / "bench.png").exists()
+    machine = json.loads((tmp_path / "bench.json").read_text())["machine"]
+    assert machine["threads"] == 1 and (machine["device"], machine["dtype"]) == ("cpu", "float32")
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # e.g. AVX2 or AVX512: timings differ
+    assert set(machine["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"} and machine["cpu"]
     with pytest.raises(SystemExit, match=f"batch size, 8, needs as many prompts; {tmp_path / 'p.jsonl'} gave 6"):
         bench_main(["--target", str(tmp_path / "target"), "--oracle", "--batch-sizes", "8", "--prompts",
                     str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "bench8")])

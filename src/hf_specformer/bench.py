@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,7 +61,8 @@ from .generation.speculation import LOOKUP_NGRAM_SIZE
 from .hub.cards import LOOKUP_SUFFIX
 from .models import SpecFormerConfig, SpecFormerForDrafting
 from .prompts import find_shared_data, load_prompts
-from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer, timed
+from .targets import (DEFAULT_TARGET, DTYPES, default_device, describe_machine, load_target, load_tokenizer,
+                      timed)
 
 BENCH_PROMPTS = "spec_bench_mtbench.jsonl"
 
@@ -312,9 +312,7 @@ def run_benchmark(config: BenchConfig) -> dict:
     report = {
         "config": asdict(config),
         "prompt_source": source or "hf_specformer default prompts",
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-                    "dtype": config.dtype},
+        "machine": describe_machine(device, config.dtype),
         "results": results,
     }
     output = Path(config.output)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from .prompts import (
     labelled_prompts,
 )
 from .shipped_models import load_drafter
-from .targets import DEFAULT_TARGET, DTYPES, default_device, load_target, load_tokenizer
+from .targets import DEFAULT_TARGET, DTYPES, default_device, describe_machine, load_target, load_tokenizer
 from .training.evaluation import evaluate_kappa
 
 MAX_GAP = 0.05
@@ -255,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps({
         "config": vars(args), "sources": sources, "max_gap": MAX_GAP,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": describe_machine(),
         "groups": report,
     }, indent=2))
     plot(report, output.with_suffix(".png"))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -73,6 +75,39 @@ def timed(fn, device: torch.device | str):
     result = fn()
     synchronize(device)
     return result, time.perf_counter() - start
+
+
+CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The vector extensions whose presence moves CPU timings most (MKL's and oneDNN's kernels differ across them)."""
+
+
+def _cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and which of `CPU_FLAGS_OF_NOTE` it has (Linux's /proc/cpuinfo; elsewhere the
+    platform's processor string and no flags)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor(), []
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name", platform.processor()), [flag for flag in CPU_FLAGS_OF_NOTE if flag in flags]
+
+
+def describe_machine(device: torch.device | str | None = None, dtype: str | None = None) -> dict:
+    """Where a measurement ran, for its JSON report: platform, torch, threads, the CPU's model, the vector
+    instructions torch dispatches to (`AVX2`, `AVX512`) and the CPU flags of note, and the device and dtype when
+    given. This testbed's machines differ from day to day (the same run moves up to 3x); the CPU fields tell a
+    slower machine from a slower day."""
+    cpu, flags = _cpu_model_and_flags()
+    machine = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": flags}
+    if device is not None:
+        device = torch.device(device)
+        machine["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    if dtype is not None:
+        machine["dtype"] = dtype
+    return machine
 
 
 def load_target(
