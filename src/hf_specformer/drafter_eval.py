@@ -14,13 +14,15 @@ Both report per-slot acceptance, cumulative as decoding sees it (slot j counts w
 accepted, per step), and kappa (tokens per step). Live and teacher-forced read the same drafter on the same states,
 so they differ only by the walk's last steps (the teacher-forced walk stops where fewer than k labels remain) and
 floating-point rounding: a gap above `MAX_GAP` means the live path computes something else than training measures,
-a bug to find, not a data problem. `--with-lookup` adds a live run with prompt lookup on top of the drafter, and
-`--with-suffix` one with prompt lookup and cross-request suffix drafts (`generation/suffix.py`) from one
-`SuffixIndex` for the whole evaluation, which holds what that run generated for the prompts before (never the
-plain answers, so nothing is drafted from the text being scored), seeded with `--suffix-corpus`'s replies if given.
-`--alternative-draft N` repeats each live run with `alternative_draft=N` (slot 1's next-best tokens, each then the
-drafts after it, verified as branches of their own, `generation/alternatives.py`; `--num-alternatives C` of them),
-each with a suffix index of its own.
+a bug to find, not a data problem. A second table (`causes_table`) splits a low teacher-forced slot 1 into its
+causes: labels outside the draft vocabulary, a text the target itself is less sure of, or a drafter that has not
+learnt the text (lower accuracy where the target is equally sure). `--with-lookup` adds a live run with prompt
+lookup on top of the drafter, and `--with-suffix` one with prompt lookup and cross-request suffix drafts
+(`generation/suffix.py`) from one `SuffixIndex` for the whole evaluation, which holds what that run generated for
+the prompts before (never the plain answers, so nothing is drafted from the text being scored), seeded with
+`--suffix-corpus`'s replies if given. `--alternative-draft N` repeats each live run with `alternative_draft=N` (slot
+1's next-best tokens, each then the drafts after it, verified as branches of their own,
+`generation/alternatives.py`; `--num-alternatives C` of them), each with a suffix index of its own.
 
 Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
 each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
@@ -164,8 +166,27 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def causes_table(report: dict) -> str:
+    """Teacher-forced slot-1 accuracy per group against what bounds it: the share of labels in the draft vocabulary,
+    the target's mean probability of its own token, and the accuracy within each bin of that probability
+    (`training.evaluation.confidence_bins`), so a group whose text is harder can be told from one the drafter has
+    not learnt."""
+    bins = next(iter(report.values()))["teacher_forced"]["slot1_by_target_confidence"]
+    header = ("| group | slot-1 accuracy | in draft vocabulary | target's confidence | " +
+              " | ".join(f"accuracy where p in [{b['low']:.2f}, {b['high']:.2f}] (share)" for b in bins) + " |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for name, row in sorted(report.items(), key=lambda item: (item[0] == ALL, item[0])):
+        forced = row["teacher_forced"]
+        cells = [name, f"{forced['slot_accuracy'][0]:.3f}", f"{forced['draft_vocab_coverage']:.3f}",
+                 f"{forced['mean_target_confidence']:.3f}"]
+        cells += [f"{b['accuracy']:.3f} ({b['share']:.2f})" for b in forced["slot1_by_target_confidence"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(report: dict, path: Path) -> None:
-    """Per group: slot-1 acceptance, teacher-forced beside live; kappa, teacher-forced beside every live run."""
+    """Per group: slot-1 acceptance, teacher-forced beside live; kappa, teacher-forced beside every live run;
+    teacher-forced slot-1 accuracy in each bin of the target's confidence (`causes_table`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,12 +195,17 @@ def plot(report: dict, path: Path) -> None:
     names = sorted(report, key=lambda name: (name == ALL, name))
     runs = [run for run in LIVE_RUNS if run in report[names[0]]]
     positions = torch.arange(len(names)).float()
-    figure, axes = plt.subplots(2, 1, figsize=(max(8, (0.8 + 0.25 * len(runs)) * len(names)), 8))
+    figure, axes = plt.subplots(3, 1, figsize=(max(8, (0.8 + 0.25 * len(runs)) * len(names)), 12))
+    bins = report[names[0]]["teacher_forced"]["slot1_by_target_confidence"]
     panels = [
         ("slot-1 acceptance", {"teacher-forced": lambda r: r["teacher_forced"]["slot_acceptance"][0],
                                "live": lambda r: r["live"]["slot_acceptance"][0]}),
         ("kappa", {"teacher-forced": lambda r: r["teacher_forced"]["kappa"][-1],
                    **{LIVE_RUNS[run].removeprefix("kappa "): lambda r, run=run: r[run]["kappa"] for run in runs}}),
+        ("teacher-forced slot-1 accuracy by the target's probability p of the label",
+         {f"p in [{b['low']:.2f}, {b['high']:.2f}]":
+          lambda r, i=i: r["teacher_forced"]["slot1_by_target_confidence"][i]["accuracy"]
+          for i, b in enumerate(bins)}),
     ]
     for axis, (title, bars) in zip(axes, panels):
         width = 0.8 / len(bars)
@@ -250,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
                               alternative_draft=args.alternative_draft, num_alternatives=args.num_alternatives,
                               suffix_corpus=args.suffix_corpus)
     print(table(report))
+    print(causes_table(report))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps({

@@ -13,6 +13,7 @@ from hf_specformer.drafter_eval import (
     ALL,
     LIVE_RUNS,
     MAX_GAP,
+    causes_table,
     evaluate_drafter,
     main,
     select,
@@ -71,6 +72,20 @@ def test_live_acceptance_equals_teacher_forced_on_the_same_texts(distilled):
     assert report["seen"]["live"]["slot_acceptance"][0] > 0.3, table(report)
     assert report[ALL]["live_lookup"]["kappa"] >= report[ALL]["live"]["kappa"]
     assert report[ALL]["live_alternative"]["kappa"] >= report[ALL]["live"]["kappa"] - MAX_GAP, table(report)
+
+
+def test_causes_table_splits_slot_one_by_the_targets_confidence(distilled):
+    """Where the drafter gets drafts accepted, the confidence bins' accuracies weighted by their shares give slot 1's
+    teacher-forced accuracy, and the table has a row per group."""
+    target, drafter = distilled
+    report = evaluate_drafter(target, drafter, _prompts(20, seed=0)[:3], ["seen"] * 3, num_draft_tokens=3,
+                              max_new_tokens=NEW_TOKENS, eos_token_ids={2})
+    forced = report[ALL]["teacher_forced"]
+    bins = forced["slot1_by_target_confidence"]
+    assert forced["slot_accuracy"][0] > 0.3
+    assert sum(b["share"] * b["accuracy"] for b in bins if b["share"]) == pytest.approx(forced["slot_accuracy"][0])
+    lines = causes_table(report).splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| seen | ") and lines[3].startswith(f"| {ALL} | ")
 
 
 def test_select_keeps_the_first_prompts_of_each_group():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -35,8 +36,10 @@ from hf_specformer.models import SpecFormerForDrafting
 from hf_specformer.training.data import collate, load_distilled, reply_vocabulary
 from hf_specformer.training.evaluation import (
     acceptance_steps,
+    confidence_bins,
     draft_tokens,
     evaluate_kappa,
+    label_probabilities,
     tree_acceptance_steps,
 )
 from hf_specformer.training.losses import (
@@ -500,3 +503,40 @@ def test_evaluate_kappa_bounds_and_random_data():
     assert all(kappa < 1.1 for kappa in result["kappa"])  # untrained drafter, random tokens: nothing accepted
     assert all(0.0 <= accuracy < 0.1 for accuracy in result["slot_accuracy"])
     assert drafter.training is True
+
+
+def test_confidence_bins_split_slot_one_accuracy_by_the_targets_probability():
+    hits = torch.tensor([True, False, True, True, False, True])
+    confidence = torch.tensor([0.1, 0.4, 0.6, 0.9, 0.97, 1.0])
+    bins = confidence_bins(hits, confidence, edges=(0.5, 0.95))
+    assert [(b["low"], b["high"]) for b in bins] == [(0.0, 0.5), (0.5, 0.95), (0.95, 1.0)]
+    assert [b["share"] for b in bins] == [2 / 6, 2 / 6, 2 / 6]  # a probability of 1.0 falls in the last bin
+    assert [b["accuracy"] for b in bins] == [0.5, 1.0, 0.5]
+    empty = confidence_bins(hits, torch.full((6,), 0.2), edges=(0.5,))
+    assert empty[0]["accuracy"] == 4 / 6 and empty[1]["share"] == 0.0 and math.isnan(empty[1]["accuracy"])
+
+
+def test_label_probabilities_are_the_targets_own():
+    target = make_target()
+    ids = torch.tensor(random_dataset()[0]["input_ids"])
+    output = target(ids[None], output_hidden_states=True)
+    expected = output.logits[0].float().softmax(-1)[torch.arange(5, 15), ids[6:16]]
+    torch.testing.assert_close(label_probabilities(target, output.hidden_states, ids, 4, 10), expected)
+
+
+def test_evaluate_kappa_separates_vocabulary_and_confidence():
+    """The bins' accuracies, weighted by their shares, give slot 1's accuracy; the coverage is the share of slot-1
+    labels in the draft vocabulary, 1.0 without one."""
+    target = make_target()
+    drafter = make_drafter(target, draft_length=3).eval()
+    rows = random_dataset()
+    result = evaluate_kappa(target, drafter, rows, max_k=3)
+    bins = result["slot1_by_target_confidence"]
+    assert result["draft_vocab_coverage"] == 1.0 and 0.0 < result["mean_target_confidence"] < 1.0
+    assert sum(b["share"] for b in bins) == pytest.approx(1.0)
+    assert sum(b["share"] * b["accuracy"] for b in bins if b["share"]) == pytest.approx(result["slot_accuracy"][0])
+    vocab = torch.arange(0, target.config.vocab_size, 2)
+    drafter.set_draft_vocab(vocab)
+    labels = torch.cat([torch.tensor(row["input_ids"][row["prompt_length"] + 1:]) for row in rows])
+    covered = evaluate_kappa(target, drafter, rows, max_k=3)["draft_vocab_coverage"]
+    assert covered == pytest.approx(torch.isin(labels, vocab).double().mean().item())

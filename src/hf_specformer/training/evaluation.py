@@ -8,7 +8,10 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_specformer.models.specformer import SpecFormerForDrafting
-from hf_specformer.training.target_states import hooked_target_states, next_token_ids
+from hf_specformer.training.target_states import next_token_ids, target_hidden_states
+
+CONFIDENCE_EDGES = (0.5, 0.8, 0.95)
+"""Bin edges of the target's probability of slot 1's label, for `evaluate_kappa`'s `slot1_by_target_confidence`."""
 
 
 def acceptance_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int) -> list[int]:
@@ -51,13 +54,16 @@ def tree_acceptance_steps(ranked: torch.Tensor, tokens: torch.Tensor, start: int
 @torch.no_grad()
 def draft_tokens(
     target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor, start: int, max_k: int,
-    chunk_size: int = 64, ranks: int | None = None,
+    chunk_size: int = 64, ranks: int | None = None, hidden_states: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Argmax drafts `[L - 2 - start, max_k]` of one sequence `[L]` at positions start .. L - 3 (those with a label),
     or with `ranks` each slot's `ranks` best tokens `[L - 2 - start, max_k, ranks]`, best first; computed
-    `chunk_size` positions at a time to bound the `[chunk, max_k, V]` logits."""
+    `chunk_size` positions at a time to bound the `[chunk, max_k, V]` logits. `hidden_states`: the target's L + 1
+    states `[1, L, d]` of the sequence where the caller already has them (else one target forward here)."""
     ids = input_ids[None]
-    hooked = hooked_target_states(target, drafter, ids, torch.ones_like(ids))
+    if hidden_states is None:
+        hidden_states = target_hidden_states(target, ids, torch.ones_like(ids))
+    hooked = drafter.select_hooked_states(hidden_states)
     positions = torch.arange(start, ids.shape[1] - 2, device=ids.device)
     following = next_token_ids(ids)
 
@@ -73,6 +79,30 @@ def draft_tokens(
     return torch.cat(chunks) if chunks else torch.zeros(empty, dtype=torch.long, device=ids.device)
 
 
+def label_probabilities(target: PreTrainedModel, hidden_states: tuple[torch.Tensor, ...], tokens: torch.Tensor,
+                        start: int, count: int) -> torch.Tensor:
+    """`[count]`: the target's probability of x_{t+2} at position t + 1, for t = start .. start + count - 1 (how sure
+    the target itself is of slot 1's label once it has read x_{t+1}); from its last hidden state `[1, L, d]`."""
+    positions = torch.arange(start + 1, start + 1 + count, device=tokens.device)
+    logits = target.get_output_embeddings()(hidden_states[-1][0, positions]).float()  # [count, V]
+    return logits.softmax(-1).gather(1, tokens[positions + 1, None])[:, 0]
+
+
+def confidence_bins(hits: torch.Tensor, confidence: torch.Tensor, edges: Sequence[float] = CONFIDENCE_EDGES) -> list:
+    """Slot-1 top-1 accuracy per bin of the target's own probability of the label: `[{"low", "high", "share",
+    "accuracy"}]` (`hits` bool `[N]`, `confidence` `[N]`; accuracy NaN for an empty bin). Two texts on which the
+    drafter scores differently within the same bins differ in what the drafter has learnt, not in how predictable
+    the target's text is."""
+    bounds = [0.0, *edges, 1.0]
+    rows = []
+    for low, high in zip(bounds, bounds[1:]):
+        inside = (confidence >= low) & ((confidence < high) | (high == 1.0))
+        count = int(inside.sum())
+        rows.append({"low": low, "high": high, "share": count / max(len(hits), 1),
+                     "accuracy": float(hits[inside].double().mean()) if count else float("nan")})
+    return rows
+
+
 @torch.no_grad()
 def evaluate_kappa(
     target: PreTrainedModel, drafter: SpecFormerForDrafting, dataset: Iterable[dict], max_k: int
@@ -84,19 +114,28 @@ def evaluate_kappa(
     token, which equals the label because the data is the target's greedy output. kappa(k) = total steps' tokens /
     number of steps over all sequences, in [1, k + 1]. `slot_accuracy[j]`: slot j's top-1 accuracy at every
     position; `slot_acceptance[j]`: the share of the k = max_k walk's steps that accept slot j (all slots before it
-    accepted too), which is what live decoding reports (`SpecStats.acceptance_by_position`). Returns `{"kappa",
-    "slot_accuracy", "slot_acceptance": [max_k floats], "num_steps", "num_sequences", "num_positions": int}`.
+    accepted too), which is what live decoding reports (`SpecStats.acceptance_by_position`).
+
+    Two breakdowns separate the causes of a low slot-1 accuracy: `slot1_by_target_confidence` (`confidence_bins`:
+    accuracy per bin of the target's own probability of the label, so a harder text shows as more positions in the
+    low bins, a drafter that has not learnt the text as lower accuracy within the same bins) and
+    `draft_vocab_coverage` (the share of slot-1 labels the drafter can draft at all; 1.0 without a draft vocabulary).
+    Returns `{"kappa", "slot_accuracy", "slot_acceptance": [max_k floats], "slot1_by_target_confidence": [...],
+    "draft_vocab_coverage": float, "mean_target_confidence": float, "num_steps", "num_sequences",
+    "num_positions": int}`.
     """
     was_training = drafter.training
     drafter.eval()
     device = next(drafter.parameters()).device
     steps = [[] for _ in range(max_k)]
     hits, counts = torch.zeros(max_k), torch.zeros(max_k)
+    first_hits, confidences, covered = [], [], []
     num_sequences = num_positions = 0
     for row in dataset:
         tokens = torch.tensor(row["input_ids"], dtype=torch.long, device=device)
         start = max(int(row["prompt_length"]) - 1, 0)
-        drafts = draft_tokens(target, drafter, tokens, start, max_k)
+        hidden_states = target_hidden_states(target, tokens[None], torch.ones_like(tokens[None]))
+        drafts = draft_tokens(target, drafter, tokens, start, max_k, hidden_states=hidden_states)
         if drafts.shape[0] == 0:
             continue
         for k in range(1, max_k + 1):
@@ -105,15 +144,26 @@ def evaluate_kappa(
             labels = tokens[start + 2 + slot :]  # slot j at position start + r guesses x_{start + r + 2 + j}
             hits[slot] += (drafts[: labels.shape[0], slot] == labels).sum().item()
             counts[slot] += labels.shape[0]
+        first_labels = tokens[start + 2 :]
+        first_hits.append((drafts[:, 0] == first_labels).cpu())
+        confidences.append(label_probabilities(target, hidden_states, tokens, start, drafts.shape[0]).cpu())
+        vocabulary = drafter.draft_vocab_ids
+        covered.append(torch.ones_like(first_hits[-1]) if vocabulary is None
+                       else torch.isin(first_labels, vocabulary).cpu())
         num_sequences += 1
         num_positions += drafts.shape[0]
     drafter.train(was_training)
     walk = torch.tensor(steps[-1], dtype=torch.float64)
+    first_hits, confidences, covered = (torch.cat(values) if values else torch.zeros(0)
+                                        for values in (first_hits, confidences, covered))
     return {
         "kappa": [sum(s) / len(s) if s else float("nan") for s in steps],
         "slot_accuracy": (hits / counts.clamp(min=1)).tolist(),
         "slot_acceptance": [float((walk >= slot + 2).double().mean()) if len(walk) else float("nan")
                             for slot in range(max_k)],
+        "slot1_by_target_confidence": confidence_bins(first_hits, confidences),
+        "draft_vocab_coverage": float(covered.double().mean()) if len(covered) else float("nan"),
+        "mean_target_confidence": float(confidences.double().mean()) if len(confidences) else float("nan"),
         "num_steps": len(walk),
         "num_sequences": num_sequences,
         "num_positions": num_positions,
