@@ -168,6 +168,14 @@ def append_metrics(path: Path, record: dict) -> None:
         handle.write(json.dumps(record) + "\n")
 
 
+def end_process_group() -> None:
+    """Tears down the `accelerate launch` process group once a run has passed its last barrier (a no-op in one
+    process). Left to interpreter exit, a process can abort in its communicator's destructor ("terminate called
+    without an active exception", seen once in CI under load) and fail a run that finished."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class StopOnSignal:
     """Within its `with` block, SIGTERM and SIGINT set `requested` instead of ending the process, so that training
     can finish its optimiser step and checkpoint. A second signal ends the process as usual. Outside the main

@@ -31,7 +31,7 @@ from hf_specformer.targets import DEFAULT_TARGET, load_target
 from hf_specformer.training.checkpointing import TrainerState, list_checkpoints, restore_checkpoint, save_checkpoint
 from hf_specformer.training.data import load_distilled, split_train_eval
 from hf_specformer.training.target_states import reply_positions, target_hidden_states, tokens_after
-from hf_specformer.training.checkpointing import StopOnSignal
+from hf_specformer.training.checkpointing import StopOnSignal, end_process_group
 from hf_specformer.training.optimization import warmup_cosine
 
 logger = logging.getLogger(__name__)
@@ -231,6 +231,7 @@ def parse_config(argv: list[str] | None = None) -> CompanionTrainingConfig:
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     evaluation = train_companion(parse_config(argv))
+    end_process_group()
     print(json.dumps(evaluation, indent=2))
     return evaluation
 

@@ -53,6 +53,7 @@ from hf_specformer.training.checkpointing import (
     StopOnSignal,
     TrainerState,
     append_metrics,
+    end_process_group,
     list_checkpoints,
     read_metrics,
     restore_checkpoint,
@@ -383,4 +384,6 @@ def parse_config(argv: list[str] | None = None) -> DrafterTrainingConfig:
 def main(argv: list[str] | None = None) -> TrainingResult:
     """Entry point of `python -m hf_specformer.train` and `accelerate launch -m hf_specformer.train`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return train(parse_config(argv))
+    result = train(parse_config(argv))
+    end_process_group()
+    return result
