@@ -28,10 +28,16 @@ from tqdm.auto import tqdm
 
 from hf_specformer.models import CompanionConfig, CompanionForVerification
 from hf_specformer.targets import DEFAULT_TARGET, load_target
-from hf_specformer.training.checkpointing import TrainerState, list_checkpoints, restore_checkpoint, save_checkpoint
+from hf_specformer.training.checkpointing import (
+    StopOnSignal,
+    TrainerState,
+    end_process_group,
+    list_checkpoints,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from hf_specformer.training.data import load_distilled, split_train_eval
 from hf_specformer.training.target_states import reply_positions, target_hidden_states, tokens_after
-from hf_specformer.training.checkpointing import StopOnSignal, end_process_group
 from hf_specformer.training.optimization import warmup_cosine
 
 logger = logging.getLogger(__name__)
