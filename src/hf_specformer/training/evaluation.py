@@ -140,12 +140,13 @@ def evaluate_kappa(
             continue
         for k in range(1, max_k + 1):
             steps[k - 1].extend(acceptance_steps(drafts, tokens, start, k))
-        for slot in range(max_k):
-            labels = tokens[start + 2 + slot :]  # slot j at position start + r guesses x_{start + r + 2 + j}
-            hits[slot] += (drafts[: labels.shape[0], slot] == labels).sum().item()
-            counts[slot] += labels.shape[0]
+        # slot j at position start + r guesses x_{start + r + 2 + j}
+        matches = [drafts[: tokens.shape[0] - start - 2 - slot, slot] == tokens[start + 2 + slot :]
+                   for slot in range(max_k)]
+        hits += torch.tensor([float(match.sum()) for match in matches])
+        counts += torch.tensor([float(match.numel()) for match in matches])
         first_labels = tokens[start + 2 :]
-        first_hits.append((drafts[:, 0] == first_labels).cpu())
+        first_hits.append(matches[0].cpu())
         confidences.append(label_probabilities(target, hidden_states, tokens, start, drafts.shape[0]).cpu())
         vocabulary = drafter.draft_vocab_ids
         covered.append(torch.ones_like(first_hits[-1]) if vocabulary is None
