@@ -505,6 +505,22 @@ def test_evaluate_kappa_bounds_and_random_data():
     assert drafter.training is True
 
 
+def test_evaluate_kappa_on_replies_shorter_than_the_drafts():
+    """Sequences with 2 slot-1 labels and max_k = 4: slot 2 has 1 label, slots 3 and 4 none (counted as 0, not read
+    from the wrong end of the drafts)."""
+    target = make_target()
+    drafter = make_drafter(target, draft_length=4).eval()
+    rows = random_dataset(num_rows=3, length=8)
+    result = evaluate_kappa(target, drafter, rows, max_k=4)
+    assert result["num_positions"] == 3 * 2
+    hits = torch.zeros(2)
+    for row in rows:
+        tokens = torch.tensor(row["input_ids"])
+        drafts = draft_tokens(target, drafter, tokens, 4, 4)
+        hits += torch.stack([(drafts[:2, 0] == tokens[6:]).sum(), (drafts[:1, 1] == tokens[7:]).sum()])
+    assert result["slot_accuracy"] == pytest.approx([hits[0].item() / 6, hits[1].item() / 3, 0.0, 0.0])
+
+
 def test_confidence_bins_split_slot_one_accuracy_by_the_targets_probability():
     hits = torch.tensor([True, False, True, True, False, True])
     confidence = torch.tensor([0.1, 0.4, 0.6, 0.9, 0.97, 1.0])

@@ -140,9 +140,8 @@ def evaluate_kappa(
             continue
         for k in range(1, max_k + 1):
             steps[k - 1].extend(acceptance_steps(drafts, tokens, start, k))
-        # slot j at position start + r guesses x_{start + r + 2 + j}
-        matches = [drafts[: tokens.shape[0] - start - 2 - slot, slot] == tokens[start + 2 + slot :]
-                   for slot in range(max_k)]
+        labels = [tokens[start + 2 + slot :] for slot in range(max_k)]  # slot j at start + r: x_{start + r + 2 + j}
+        matches = [drafts[: len(label), slot] == label for slot, label in enumerate(labels)]  # empty past the end
         hits += torch.tensor([float(match.sum()) for match in matches])
         counts += torch.tensor([float(match.numel()) for match in matches])
         first_labels = tokens[start + 2 :]
