@@ -76,6 +76,10 @@ class DrafterTrainingConfig:
         num_threads: torch CPU threads per process (0: torch's default).
         resume: continue from the latest checkpoint in `output_dir/checkpoints` (from scratch if there is none).
         init_from: a drafter folder whose weights start the run (e.g. continued training on more data).
+        intermediate_size: width of the drafter's slot SwiGLU (0: the target's MLP width for a fresh drafter,
+            `init_from`'s own otherwise). With `init_from`, a larger width widens the loaded drafter's SwiGLU by
+            splitting its units (Net2Net, Chen et al. 2016): the drafter drafts nearly the same at step 0 and
+            trains with more capacity (see `train_drafter.widen_swiglu`).
         new_parameter_learning_rate_scale: with `init_from`, the parameters that folder lacks (e.g. a next-token
             input added to a drafter trained without it) train at this multiple of the learning rate: a new matrix
             that starts at zero would otherwise grow only at the fine-tuning pace of the trained ones.
@@ -147,6 +151,9 @@ class DrafterTrainingConfig:
     init_from: str | None = field(
         default=None, metadata={"help": "Start from this drafter folder's weights instead of a fresh init."}
     )
+    intermediate_size: int = field(
+        default=0, metadata={"help": "Slot SwiGLU width (0: the target's, or init_from's); with init_from, widens it."}
+    )
     new_parameter_learning_rate_scale: float = field(
         default=1.0, metadata={"help": "With init_from: learning-rate multiple of the parameters it lacks."}
     )
@@ -159,8 +166,8 @@ class DrafterTrainingConfig:
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps",
                     "new_parameter_learning_rate_scale", "lora_rank", "lora_alpha")
         non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "ce_positions_per_sequence",
-                        "feature_loss_weight", "soft_label_weight", "draft_vocab_size", "loss_slots", "eval_every", "save_every", "num_threads",
-                        "min_learning_rate")
+                        "feature_loss_weight", "soft_label_weight", "draft_vocab_size", "loss_slots", "eval_every", "save_every",
+                        "num_threads", "min_learning_rate", "intermediate_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
@@ -188,6 +195,9 @@ class DrafterTrainingConfig:
         if self.lora and self.next_token_input:
             raise ValueError("`lora` trains adapters of the drafter's existing layers only; add the next-token input "
                              "with full training (`init_from` without `lora`).")
+        if self.lora and self.intermediate_size:
+            raise ValueError("`lora` trains adapters of the drafter's existing layers only; widen its SwiGLU "
+                             "(`intermediate_size`) with full training.")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"`lora_dropout` must be in [0, 1), got {self.lora_dropout}.")
         if self.loss_slots > self.draft_length:
