@@ -166,8 +166,8 @@ class DrafterTrainingConfig:
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps",
                     "new_parameter_learning_rate_scale", "lora_rank", "lora_alpha")
         non_negative = ("weight_decay", "max_grad_norm", "positions_per_sequence", "ce_positions_per_sequence",
-                        "feature_loss_weight", "soft_label_weight", "draft_vocab_size", "loss_slots", "eval_every", "save_every",
-                        "num_threads", "min_learning_rate", "intermediate_size")
+                        "feature_loss_weight", "soft_label_weight", "draft_vocab_size", "loss_slots", "eval_every",
+                        "save_every", "num_threads", "min_learning_rate", "intermediate_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")

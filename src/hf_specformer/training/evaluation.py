@@ -144,12 +144,11 @@ def evaluate_kappa(
         matches = [drafts[: len(label), slot] == label for slot, label in enumerate(labels)]  # empty past the end
         hits += torch.tensor([float(match.sum()) for match in matches])
         counts += torch.tensor([float(match.numel()) for match in matches])
-        first_labels = tokens[start + 2 :]
         first_hits.append(matches[0].cpu())
         confidences.append(label_probabilities(target, hidden_states, tokens, start, drafts.shape[0]).cpu())
         vocabulary = drafter.draft_vocab_ids
         covered.append(torch.ones_like(first_hits[-1]) if vocabulary is None
-                       else torch.isin(first_labels, vocabulary).cpu())
+                       else torch.isin(labels[0], vocabulary).cpu())
         num_sequences += 1
         num_positions += drafts.shape[0]
     drafter.train(was_training)
