@@ -154,8 +154,8 @@ def widen_swiglu(
     source = torch.arange(width) % old  # [width] the unit each new unit copies
     copies = torch.bincount(source, minlength=old).to(mlp.down_proj.weight)  # [m]
     gate = mlp.gate_proj.weight[source]  # [width, d]
-    noise = torch.randn(gate.shape, generator=generator).to(gate) * gate.std(dim=1, keepdim=True) * noise_scale
-    gate[old:] += noise[old:]
+    copied = gate[old:]  # [width - m, d] the copies' rows (a view)
+    copied += torch.randn(copied.shape, generator=generator).to(copied) * copied.std(dim=1, keepdim=True) * noise_scale
     for name, weight in (("gate_proj", gate), ("up_proj", mlp.up_proj.weight[source]),
                          ("down_proj", mlp.down_proj.weight[:, source] / copies[source])):
         layer = getattr(mlp, name)
