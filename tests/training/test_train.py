@@ -34,7 +34,7 @@ from training_helpers import (  # single_thread: autouse, for every test here
 )
 
 from hf_specformer.models import SpecFormerForDrafting
-from hf_specformer.training.data import collate, load_distilled, reply_vocabulary
+from hf_specformer.training.data import collate, cut_loops, load_distilled, loop_end, reply_vocabulary
 from hf_specformer.training.evaluation import (
     acceptance_steps,
     confidence_bins,
@@ -94,6 +94,8 @@ def test_config_rejects_inconsistent_values(tmp_path):
         make_config(tmp_path, draft_vocab_loss=True)
     with pytest.raises(ValueError, match="eval_data"):
         make_config(tmp_path, eval_data=str(tmp_path / "heldout"))  # beside the default split of `data`
+    with pytest.raises(ValueError, match="cut_loops"):
+        make_config(tmp_path, cut_loops=1)
 
 
 def test_labels_are_future_reply_tokens():
@@ -120,6 +122,17 @@ def test_reply_vocabulary_ranks_reply_tokens_by_frequency():
                                  {"input_ids": [2, 7, 9, 5, 4], "prompt_length": 1}])
     assert reply_vocabulary(dataset, 3) == [9, 7, 4]  # 9: 3 uses, 7: 2, then 4 and 5 tie (1 use): lower id first
     assert reply_vocabulary(dataset, 10) == [9, 7, 4, 5]  # prompt-only tokens 1 and 2 never count
+
+
+def test_loop_end_stops_after_the_first_repeated_window():
+    assert loop_end([5, 6, 7, 8, 5, 6, 9, 7], 3) == 8  # 5 6 comes back, but no 3-token window does
+    assert loop_end([5, 6, 7, 8, 5, 6, 9, 7], 2) == 6  # the window 5 6 completes its repeat at index 5
+    assert loop_end([4, 4, 4, 4], 2) == 3  # 4 4, then 4 4 again
+    assert loop_end([1, 2], 3) == 2 and loop_end([], 2) == 0  # shorter than a window: whole
+    dataset = Dataset.from_list([{"input_ids": [9, 9, 1, 2, 1, 2, 1], "prompt_length": 2},
+                                 {"input_ids": [9, 1, 2, 3], "prompt_length": 1}])
+    cut = cut_loops(dataset, 2)  # the prompt's own repeat (9 9) does not count
+    assert cut["input_ids"][:] == [[9, 9, 1, 2, 1, 2], [9, 1, 2, 3]] and cut["prompt_length"][:] == [2, 1]
 
 
 # ----- intra-batch gradient accumulation -----------------------------------------------------------------------
@@ -293,6 +306,18 @@ def test_eval_data_replaces_the_held_out_split(tmp_path, caplog):
                                    max_steps=2), target=learnable_target(), dataset=repetitive_dataset())
     assert "16 train / 3 held-out sequences" in caplog.text
     assert result.evaluation["num_sequences"] == 3
+
+
+def test_cut_loops_cuts_the_training_replies_only(tmp_path, caplog):
+    """A reply cycling through 7 tokens first repeats a 4-token window at its 11th token: each of the 16 training
+    sequences keeps its 3 prompt tokens and 11 of 24 reply tokens, while the held-out replies stay whole (23
+    positions each)."""
+    repetitive_dataset(seed=1).select(range(3)).save_to_disk(str(tmp_path / "heldout"))
+    with caplog.at_level(logging.INFO, logger="hf_specformer.training.train_drafter"):
+        result = train(make_config(tmp_path / "run", eval_data=str(tmp_path / "heldout"), eval_fraction=0.0,
+                                   cut_loops=4, max_steps=2), target=learnable_target(), dataset=repetitive_dataset())
+    assert f"cut_loops=4 keeps {16 * 14} of {16 * 27} training tokens" in caplog.text
+    assert result.evaluation["num_positions"] == 3 * 23
 
 
 def test_init_from_a_plain_drafter_adds_the_next_token_input_at_its_own_learning_rate(tmp_path):

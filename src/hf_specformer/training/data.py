@@ -1,5 +1,6 @@
-"""Self-distilled data for training: loading (a `distill` output, a saved dataset or a records file), the
-reply vocabulary, the train/held-out split, the seeded order of micro-batches and their collation."""
+"""Self-distilled data for training: loading (a `distill` output, a saved dataset or a records file), cutting replies
+at their first loop, the reply vocabulary, the train/held-out split, the seeded order of micro-batches and their
+collation."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import os
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -44,6 +46,27 @@ def _load_saved(path: Path) -> Dataset:
     """A `save_to_disk` folder as one Dataset (the `train` split of a DatasetDict)."""
     loaded = load_from_disk(str(path))
     return loaded["train"] if isinstance(loaded, DatasetDict) else loaded
+
+
+def loop_end(reply: Sequence[int], span: int) -> int:
+    """How many tokens of `reply` come before its first loop: the length up to and including the first token that
+    completes a window of `span` tokens already seen earlier in the reply (`len(reply)` when no window repeats)."""
+    seen = set()
+    for end in range(span, len(reply) + 1):
+        window = tuple(reply[end - span : end])
+        if window in seen:
+            return end
+        seen.add(window)
+    return len(reply)
+
+
+def cut_loops(dataset: Dataset, span: int) -> Dataset:
+    """`dataset` (`input_ids`, `prompt_length`) with each reply cut at `loop_end`: a small target's greedy answers
+    often fall into verbatim loops that run to the token limit, which prompt lookup drafts at run time and a drafter
+    need not learn. The first repeated window is kept, so the drafter still sees a loop begin."""
+    input_ids = [ids[: prompt_length + loop_end(ids[prompt_length:], span)]
+                 for ids, prompt_length in zip(dataset["input_ids"], dataset["prompt_length"])]
+    return Dataset.from_dict({"input_ids": input_ids, "prompt_length": list(dataset["prompt_length"])})
 
 
 def reply_sequences(dataset: Dataset) -> list[torch.LongTensor]:

@@ -65,6 +65,7 @@ from hf_specformer.training.config import DrafterTrainingConfig
 from hf_specformer.training.data import (
     Batch,
     collate,
+    cut_loops,
     epoch_batches,
     load_distilled,
     reply_vocabulary,
@@ -307,6 +308,11 @@ def train(
     train_set, eval_set = split_train_eval(dataset, config.max_length, config.eval_fraction, config.seed)
     if config.eval_data:
         eval_set = usable_rows(load_distilled(config.eval_data), config.max_length)
+    if config.cut_loops:
+        whole = sum(map(len, train_set["input_ids"]))
+        train_set = cut_loops(train_set, config.cut_loops)
+        logger.info("cut_loops=%d keeps %d of %d training tokens", config.cut_loops,
+                    sum(map(len, train_set["input_ids"])), whole)
     batches_per_epoch = math.ceil(len(train_set) / (config.per_device_batch_size * accelerator.num_processes))
     total_steps = total_optimizer_steps(config, batches_per_epoch)
 
