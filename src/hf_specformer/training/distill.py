@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     prompts = load_prompts(
-        args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit, shuffle_seed=args.seed
+        args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit, shuffle_seed=args.seed,
+        exclude_overlap=args.exclude_overlap,
     )
     target, tokenizer = target_from_args(args, process_state().device)
     drafter = None if args.drafter is None else load_drafter(None if args.drafter == "shipped" else args.drafter,
