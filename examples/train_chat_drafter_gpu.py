@@ -6,9 +6,9 @@ lease of a few minutes gives one round at GPU scale:
      until `--prompts` or `--synthesize-seconds`; prompts sharing more than `--max-overlap` of their word 5-grams
      with MT-bench's prompts (`--benchmark`, every turn) are dropped, so no benchmark prompt is trained on, and a
      prompt of an earlier round (`--exclude`, its `prompts.jsonl`) is never written again, so a later round never
-     trains on an earlier round's held-out prompts; with `--sharegpt N`, N human prompts from ShareGPT (`--prompts sharegpt`,
-     the same benchmark filter, shuffled by `--seed`) are answered before the synthesized ones, so a later round
-     with the same N and seed holds out the same ones;
+     trains on an earlier round's held-out prompts; with `--sharegpt N`, N human prompts from ShareGPT
+     (`--prompts sharegpt`, the same benchmark filter, shuffled by `--seed`) are answered before the synthesized
+     ones, so a later round with the same N and seed holds out the same ones;
   2. answer: the target answers them greedily in static batches (`answer_batch`) until all are answered or
      `--answer-seconds`; every `--heldout-every`-th prompt is held out (calibration and evaluation, never trained on);
   3. train: fine-tunes of `--drafter` side by side, one process each (the target is small enough that one
@@ -234,7 +234,8 @@ def main() -> None:
         child.join()
     lap("train")  # with writing the datasets, a few seconds
     timings.update(prompts=len(records), kept=len(kept), sharegpt=len(human), answered=len(answered),
-                   trained_on=len(train_rows), heldout=len(heldout), train_data=train_data, exit_codes=[child.exitcode for child in children])
+                   trained_on=len(train_rows), heldout=len(heldout), train_data=train_data,
+                   exit_codes=[child.exitcode for child in children])
     (output / "timings.json").write_text(json.dumps(timings, indent=2))
     logger.info("timings %s", timings)
 

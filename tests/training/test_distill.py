@@ -201,6 +201,9 @@ def test_sharegpt_prompts_read_first_human_turns_of_a_truncated_file(tmp_path):
     path.write_text(text)
     assert sharegpt_prompts(str(path)) == ["How do I sort a list of tuples in Python?",
                                            "Explain the difference between TCP and UDP."]
+    path.write_text(text.replace('"id": "too shor"', '"id": too shor"'))  # a bad record inside a whole list
+    with pytest.raises(ValueError, match="bad record"):
+        sharegpt_prompts(str(path))
 
 
 def test_sharegpt_source_loads_the_packaged_prompts():
