@@ -13,6 +13,7 @@ from hf_specformer.generation.acceptance import (
     SIGNALS,
     AcceptanceEstimator,
     AcceptanceTable,
+    accepted_variance,
     draft_confidence,
     draft_features,
     observed_outcomes,
@@ -70,6 +71,23 @@ def test_signals_of_sampled_drafts_read_the_draft_distribution_not_the_token():
     assert sampled.flatten().tolist() == pytest.approx([0.6] * 6)
     expected_ratio = (draft[0, 0] * (companion[0, 0] / draft[0, 0]).clamp(max=1)).sum()
     assert float(expected_ratio) == pytest.approx(0.6)  # E_d min(1, P_c / P_d) = S
+
+
+def test_accepted_variance_matches_the_distribution_the_estimates_imply():
+    """Row b verifying n_b drafts accepts exactly j of them with probability q_{b,j} - q_{b,j+1} (q_{b,n_b+1} = 0):
+    the variance summed over rows equals that of that distribution, drafts beyond n_b ignored."""
+    generator = torch.Generator().manual_seed(0)
+    cumulative = torch.rand(6, 3, generator=generator, dtype=torch.float64).cumprod(1)
+    num_drafts = torch.tensor([0, 1, 2, 3, 3, 2])
+    variance = accepted_variance(cumulative, num_drafts)
+    expected_variance = 0.0
+    for q, n in zip(cumulative.tolist(), num_drafts.tolist()):
+        tail = q[:n] + [0.0]
+        chances = [1.0 - tail[0]] + [tail[j] - tail[j + 1] for j in range(n)]  # P(N = 0), .., P(N = n)
+        row_mean = sum(j * p for j, p in enumerate(chances))
+        expected_variance += sum(j * j * p for j, p in enumerate(chances)) - row_mean**2
+    assert variance == pytest.approx(expected_variance) and variance > 0
+    assert accepted_variance(cumulative, torch.zeros(6, dtype=torch.long)) == 0.0
 
 
 def test_observed_outcomes_follow_verification():

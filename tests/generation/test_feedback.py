@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,7 @@ from hf_specformer.generation.feedback import (
     HANDOFF_CREDIT,
     HANDOFF_LOSS,
     HANDOFF_MARGIN,
+    HANDOFF_SPREAD,
     HandOff,
     OnlineStepCosts,
 )
@@ -139,8 +142,8 @@ def test_handoff_once_the_deficit_exceeds_its_bound_with_doubling_backoff():
     costs = OnlineStepCosts(StepCostModel([1, 8], [[1.0, 2.0], [8.0, 16.0]], [0.1, 0.8]))  # t_plain(8) = 8 s
     guard = HandOff(costs)
     excess = 20.0 - (1 + HANDOFF_MARGIN) * 12.0  # 1.5 tokens per row for 2.5x a plain step's time
-    steps = int(HANDOFF_LOSS * 8.0 // excess) + 1  # the first step whose deficit passes the bound
-    for _ in range(steps - 1):
+    first = int((HANDOFF_CREDIT + HANDOFF_LOSS) * 8.0 // excess) + 1  # a call starts with the credit
+    for _ in range(first - 1):
         guard.observe(8, 8, 12, 20.0)
         assert not guard.active
     guard.observe(8, 8, 12, 20.0)
@@ -148,7 +151,7 @@ def test_handoff_once_the_deficit_exceeds_its_bound_with_doubling_backoff():
     for _ in range(HANDOFF_BACKOFF):
         guard.plain_step()
     assert not guard.active
-    for _ in range(steps):
+    for _ in range(int(HANDOFF_LOSS * 8.0 // excess) + 1):  # after a hand-off, from zero
         guard.observe(8, 8, 12, 20.0)
     assert guard.plain_steps_left == 2 * HANDOFF_BACKOFF
 
@@ -172,18 +175,44 @@ def test_handoff_deficit_is_floored_so_gains_buy_only_their_credit_of_later_loss
         for _ in range(5):
             streaky.observe(8, 8, 8, 8.0 * (1 + HANDOFF_MARGIN) + 2.0)  # a quarter plain step lost each
     assert streaky.handoffs == 0
-    fresh = HandOff(costs)  # no gains yet: no credit, the same losing streak hands off
-    for _ in range(5):
+    fresh = HandOff(costs)  # no gains yet: a call starts with the credit, so the same streak has to last longer
+    for step in range(1, 100):
         fresh.observe(8, 8, 8, 8.0 * (1 + HANDOFF_MARGIN) + 2.0)
-    assert fresh.handoffs == 1
+        if fresh.active:
+            break
+    assert step == int((HANDOFF_CREDIT + HANDOFF_LOSS) * 8.0 / 2.0) + 1
     investing = HandOff(costs)
     investing.observe(8, 8, 8, 8.0, proposing_seconds=12.0)  # drafting worth 1.5 plain steps, weighed next step
-    assert not investing.active and investing.deficit == pytest.approx(12.0 - HANDOFF_MARGIN * 8.0)
+    assert not investing.active and investing.deficit == pytest.approx(12.0 - HANDOFF_CREDIT * 8.0)  # floored
     investing.observe(8, 8, 24, 16.0)  # which reaps it: 3 tokens per row in 2 plain steps' time
     assert not investing.active and investing.deficit < 8.0
     padding_only = HandOff(costs)
     padding_only.observe(8, 0, 0, 100.0)  # no live rows: nothing to weigh
-    assert padding_only.deficit == 0.0
+    assert padding_only.deficit is None
+
+
+def test_handoff_bound_widens_with_the_predicted_spread_of_a_steps_tokens_per_row():
+    """One row whose verified drafts promise a spread of one token per step: a losing streak that would hand a call
+    off with no spread must run HANDOFF_SPREAD plain steps deep first; a steadily losing call still hands off, at the
+    wider bound. At B = 16 the same spread per row averages out: the bound stays HANDOFF_LOSS."""
+    costs = OnlineStepCosts(StepCostModel([1, 16], [[1.0, 2.0], [16.0, 32.0]], [0.1, 1.6]))  # t_plain(1) = 1 s
+    excess = 1.25 - (1 + HANDOFF_MARGIN) * 1.0  # each step: one token for 1.25 plain steps' time
+
+    def steps_to_handoff(guard, batch_size, predicted_variance):
+        for step in range(1, 200):
+            guard.observe(batch_size, batch_size, batch_size, 1.25 * batch_size,
+                          predicted_variance=predicted_variance)
+            if guard.active:
+                return step
+
+    assert steps_to_handoff(HandOff(costs), 1, 0.0) == int((HANDOFF_CREDIT + HANDOFF_LOSS) / excess) + 1
+    assert HANDOFF_SPREAD > HANDOFF_LOSS
+    spread = HandOff(costs)
+    assert steps_to_handoff(spread, 1, 1.0) == int((HANDOFF_CREDIT + HANDOFF_SPREAD) / excess) + 1
+    assert spread.bound == pytest.approx(HANDOFF_SPREAD)
+    batched = HandOff(costs)
+    assert steps_to_handoff(batched, 16, 16 * 1.0) == int((HANDOFF_CREDIT + HANDOFF_LOSS) / excess) + 1
+    assert batched.bound == HANDOFF_LOSS
 
 
 def test_handoff_weighs_a_step_that_verified_nothing_by_its_proposing_only():
@@ -194,16 +223,16 @@ def test_handoff_weighs_a_step_that_verified_nothing_by_its_proposing_only():
     drifted = HandOff(costs)
     for _ in range(100):
         drifted.observe(8, 8, 8, 12.0, verified=False)  # the machine at 1.5x: a plain step's work all the same
-    assert drifted.deficit == 0.0 and drifted.handoffs == 0
+    assert drifted.deficit == -HANDOFF_CREDIT * 8.0 and drifted.handoffs == 0
     weighed = HandOff(costs)
     weighed.observe(8, 8, 8, 12.0)  # the same seconds for a step that verified drafts (all rejected)
-    assert weighed.deficit == pytest.approx(12.0 - (1 + HANDOFF_MARGIN) * 8.0)
+    assert weighed.deficit == pytest.approx(-HANDOFF_CREDIT * 8.0 + 12.0 - (1 + HANDOFF_MARGIN) * 8.0)
     drafting = HandOff(costs)
     for step in range(1, 100):
         drafting.observe(8, 8, 8, 8.0, proposing_seconds=1.0, verified=False)  # drafts, then verifies none
         if drafting.active:
             break
-    assert step == int(HANDOFF_LOSS * 8.0 / 1.0) + 2  # the outlay passes the bound, tested at the next step
+    assert step == int((HANDOFF_CREDIT + HANDOFF_LOSS) * 8.0 / 1.0) + 2  # the outlay passes the bound, tested next
 
 
 class ConfidentWrongOracle(OracleProposer):
@@ -218,8 +247,8 @@ class ConfidentWrongOracle(OracleProposer):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_a_losing_call_goes_over_to_plain_steps_mid_call_and_still_equals_generate(kind, monkeypatch):
     """Speculation that can only lose (every draft rejected, a table that expects 90% accepted), on a simulated
-    clock: after the first verified drafts the realised acceptance scales the estimates down and the call runs
-    plain steps (the drafter deferred, probing ever more rarely: every 8, 16, 32, 64 steps); the greedy output
+    clock: after its first verified drafts the guard hands the call off, and it runs plain steps (the drafter
+    deferred, the estimates learning the rejections, speculation retried ever more rarely); the greedy output
     (ragged rows, EOS) is still `generate`'s. The guard's own rule is tested above."""
     monkeypatch.setattr(engine, "StepClock", SimulatedClock)
     target = make_target(kind)
@@ -231,7 +260,7 @@ def test_a_losing_call_goes_over_to_plain_steps_mid_call_and_still_equals_genera
         max_new_tokens=80, pad_token_id=PAD, eos_token_id=int(new_tokens[0, 50]),
     )
     stats = output.speculation_stats
-    assert stats.accepted == 0 and stats.drafted > 0
+    assert stats.accepted == 0 and stats.drafted > 0 and stats.handoffs >= 1
     assert stats.width_counts[0] > 0.9 * stats.steps and stats.drafting_steps < stats.steps // 8, stats.width_counts
 
 
@@ -242,7 +271,7 @@ class HandOffEverySecondStep(HandOff):
     weighed = 0
 
     def observe(self, batch_size: int, num_live: int, committed: int, seconds: float,
-                proposing_seconds: float = 0.0, verified: bool = True) -> None:
+                proposing_seconds: float = 0.0, verified: bool = True, predicted_variance: float = 0.0) -> None:
         if self.active:
             return
         self.weighed += 1
@@ -289,7 +318,8 @@ def test_hand_offs_forced_mid_call_keep_the_output_of_generate(kind, monkeypatch
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_a_call_without_step_costs_measures_a_plain_step_first_and_equals_generate(kind):
     """No profile cached and none given: the call does not profile; its first step is a plain one, every step's
-    seconds are in the statistics, and what it learnt is cached, so the next call starts from it."""
+    seconds are in the statistics, and what it learnt is cached for its own batch size (not for the sizes its rows
+    shrank to as they finished), so the next call at that size starts from it."""
     target = make_target(kind)
     drafter = make_drafter(target)
     input_ids, mask = make_batch(5, seed=4)
@@ -300,5 +330,7 @@ def test_a_call_without_step_costs_measures_a_plain_step_first_and_equals_genera
     assert stats.width_counts[0] >= 1 and stats.drafting_steps >= 1
     assert stats.seconds_per_step_by_width[0] > 0
     assert stats.predicted_seconds_per_step_by_width == [0.0] * (stats.num_draft_tokens + 1)  # no profile
+    (cached,) = (Path(os.environ["HF_SPECFORMER_CACHE"]) / "step_costs").iterdir()
+    assert StepCostModel.load(cached).batch_sizes == [5]
     again = assert_same_as_generate(target, drafter, input_ids, mask, **kwargs).speculation_stats
     assert again.predicted_seconds_per_step_by_width[0] > 0  # the first call's learnt costs

@@ -26,18 +26,24 @@ The guard (`HandOff`), a one-sided CUSUM test. Every step that verified drafts a
 committed, B rows, L of them still generating), to a deficit floored at minus `HANDOFF_CREDIT` plain steps (gains bank
 that much credit, no more); the seconds any step then spent proposing for the next step are added after the test, so
 drafting is weighed with the step that reaps it. A step that had proposals but verified none ran a plain step: only the
-test runs, since its seconds against t_plain would weigh the machine's drift. When the deficit exceeds `HANDOFF_LOSS`
-plain steps, the call hands off: nothing is proposed for the next `HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th
-hand-off), which are then plain steps, and the deficit restarts at zero. Bound: the floor only forgets gains, so each
-spell of speculation loses at most `HANDOFF_LOSS` plain steps plus one step's excess (its proposing included), net of
-what it gained, before it is stopped, and the back-off doubles, so a call of N steps in which speculation never gains
-loses at most (HANDOFF_LOSS + one step's excess) x (1 + log2(N / HANDOFF_BACKOFF)) plain steps' worth of time.
+test runs, since its seconds against t_plain would weigh the machine's drift. When the deficit exceeds its bound h =
+max(`HANDOFF_LOSS`, `HANDOFF_SPREAD` sigma) plain steps, the call hands off: nothing is proposed for the next
+`HANDOFF_BACKOFF` x 2^(n - 1) steps (the n-th hand-off), which are then plain steps, and the deficit restarts at zero
+(a call starts at the floor). sigma is the predicted standard deviation of a verifying step's tokens per live row:
+the scheduler's estimates give each row's accepted drafts a variance (`acceptance.accepted_variance`), the guard
+keeps a running mean of the step's variance over L^2, and sigma is its root. Bound: the floor only forgets gains, so
+each spell of speculation loses at most h plain steps plus one step's excess (its proposing included), net of what it
+gained, before it is stopped (the first spell `HANDOFF_CREDIT` more), and the back-off doubles, so a call of N steps
+in which speculation never gains loses at most HANDOFF_CREDIT + (h + one step's excess) x (1 + log2(N /
+HANDOFF_BACKOFF)) plain steps' worth of time.
 
 Why the credit: acceptance comes in streaks. At B = 1 on MT-bench (SmolLM2, k = 3) half the drafting steps accept
 nothing and each costs about a quarter of a plain step more than it returns, so with the deficit floored at zero
 five such steps in a row, which most 128-token calls contain, handed a winning call off for 32 plain steps (bench:
 calls with 0 hand-offs ran 2.13-2.15x, with 1 to 8 hand-offs 1.44-1.97x). With two plain steps of credit a hand-off
-needs a losing run worth three plain steps after the call has gained two; a call that never gains gets no credit.
+needs a losing run worth three plain steps. A call starts with the credit: without it a streak before the first gains
+handed off 4 of 40 calls (B = 1, MT-bench) that speculation won by 4-25% (a fixed k = 3 against plain steps), and
+one of them ran 1.71 s against 1.32 s with the credit (README, Results); what it costs is bounded above.
 """
 
 from __future__ import annotations
@@ -57,12 +63,6 @@ FIT_DECAY = 0.9
 PLAIN_REFRESH_STEPS = 32
 """Steps after which the engine runs a plain step again to re-measure t_plain."""
 
-ACCEPTANCE_PRIOR = 4.0
-"""Drafts' worth of agreement between predicted and realised acceptance that `AcceptanceScale` starts from."""
-
-ACCEPTANCE_DECAY = 0.9
-"""Weight of the past, per verification step, in `AcceptanceScale`'s sums."""
-
 HANDOFF_LOSS = 1.0
 """Plain steps' worth of seconds speculation may lose (the guard's deficit) before the call hands off."""
 
@@ -74,6 +74,13 @@ HANDOFF_MARGIN = 0.02
 
 HANDOFF_BACKOFF = 32
 """Plain steps after the first hand-off before speculation is tried again (doubled after each further one)."""
+
+HANDOFF_SPREAD = 3.0
+"""The hand-off's bound in standard deviations of a step's tokens per row, where that exceeds `HANDOFF_LOSS` plain
+steps: the guard waits for a deficit of max(`HANDOFF_LOSS`, `HANDOFF_SPREAD` sigma) plain steps (module docstring)."""
+
+SPREAD_DECAY = 0.9
+"""Weight of the past in the guard's running mean of the predicted variance of a step's tokens per row."""
 
 
 class StepClock:
@@ -220,24 +227,6 @@ class OnlineStepCosts:
         self._draft.observe(batch_size, batch_size, seconds)
 
 
-class AcceptanceScale:
-    """Realised over predicted accepted drafts, decayed sums with `ACCEPTANCE_PRIOR` drafts of agreement to start:
-    the factor by which the scheduler scales the estimator's chances (a calibrated table learns a new domain only
-    as fast as its prior weight allows; on live MT-bench the shipped drafter's table expected 0.42 accepted drafts at
-    width 1 where 0.34 were)."""
-
-    def __init__(self):
-        self.accepted = self.predicted = ACCEPTANCE_PRIOR
-
-    @property
-    def factor(self) -> float:
-        return self.accepted / self.predicted
-
-    def observe(self, accepted: float, predicted: float) -> None:
-        self.accepted = ACCEPTANCE_DECAY * self.accepted + accepted
-        self.predicted = ACCEPTANCE_DECAY * self.predicted + predicted
-
-
 class HandOff:
     """The guard of the module docstring: `observe` each step that proposed or verified; `active` while the call runs
     plain steps because speculation fell behind."""
@@ -246,7 +235,9 @@ class HandOff:
         self.costs = costs
         self.loss = HANDOFF_LOSS if loss is None else loss
         self.backoff = HANDOFF_BACKOFF if backoff is None else backoff
-        self.deficit = 0.0  # seconds behind plain decoding, floored at -HANDOFF_CREDIT plain steps
+        self.deficit: float | None = None  # seconds behind plain decoding, floored at -HANDOFF_CREDIT plain steps;
+        # None until t_plain is known, then the credit (a call starts with it)
+        self.variance: float | None = None  # running predicted variance of a step's tokens per row (plain steps^2)
         self.handoffs = 0
         self.plain_steps_left = 0
 
@@ -258,8 +249,14 @@ class HandOff:
         """Counts down a plain step taken while handed off."""
         self.plain_steps_left = max(self.plain_steps_left - 1, 0)
 
+    @property
+    def bound(self) -> float:
+        """The deficit, in plain steps, beyond which the call hands off: `HANDOFF_LOSS`, or `HANDOFF_SPREAD` times
+        the predicted standard deviation of a step's tokens per row where that is larger."""
+        return max(self.loss, HANDOFF_SPREAD * (self.variance or 0.0) ** 0.5)
+
     def observe(self, batch_size: int, num_live: int, committed: int, seconds: float,
-                proposing_seconds: float = 0.0, verified: bool = True) -> None:
+                proposing_seconds: float = 0.0, verified: bool = True, predicted_variance: float = 0.0) -> None:
         """A step of `batch_size` rows, `num_live` of them still generating (the rest finished, kept as padding),
         that committed `committed` tokens in `seconds`, then proposed for the next step in `proposing_seconds`: an
         outlay weighed with the next step, which reaps it.
@@ -272,10 +269,15 @@ class HandOff:
         if not self.costs.plain_known or not num_live or self.active:  # active: proposed before the hand-off
             return
         plain = self.costs.plain(batch_size)
+        if self.deficit is None:
+            self.deficit = -HANDOFF_CREDIT * plain
         if verified:
             self.deficit = max(self.deficit + seconds - (1 + HANDOFF_MARGIN) * plain * committed / num_live,
                                -HANDOFF_CREDIT * plain)
-        if self.deficit > self.loss * plain:
+            per_row = predicted_variance / num_live**2
+            self.variance = per_row if self.variance is None else \
+                SPREAD_DECAY * self.variance + (1 - SPREAD_DECAY) * per_row
+        if self.deficit > self.bound * plain:
             self.plain_steps_left = self.backoff * 2**self.handoffs
             self.handoffs += 1
             self.deficit = 0.0

@@ -15,9 +15,10 @@ from .costs import PROFILE_CONTEXT, StepCostModel, cached_step_costs, profile_st
 from .scheduling import GoodputSchedule, Schedule
 
 
-STEP_COSTS_SCHEME = 2
-"""Changed whenever the forwards whose costs are cached change (2: plain steps run with the CPU speed-ups), so that
-costs cached under an older scheme are learnt anew rather than read."""
+STEP_COSTS_SCHEME = 3
+"""Changed whenever the forwards whose costs are cached, or what is cached, change (2: plain steps run with the CPU
+speed-ups; 3: learnt costs cached for the call's own batch size only), so that costs cached under an older scheme are
+learnt anew rather than read."""
 
 
 def _synchronize(device: torch.device) -> None:
@@ -104,10 +105,14 @@ def step_cost_profile(model, proposer, patched: bool, batch_size: int, step_cost
 
 
 def remember_costs(scheduler: Schedule, model, proposer, patched: bool, batch_size: int) -> None:
-    """Caches the step costs a goodput call learnt without a profile (`OnlineStepCosts.learnt`), for the batch sizes
-    whose plain steps it timed, so the next call at those sizes can choose between the engine and plain decoding
-    before it starts (`StepCostModel.covers`: other sizes learn anew)."""
-    if not isinstance(scheduler, GoodputSchedule) or not scheduler.feedback or not scheduler.costs.learnt:
+    """Caches the step costs a goodput call learnt without a profile (`OnlineStepCosts.learnt`) for the batch size it
+    ran at, so the next call at that size can choose between the engine and plain decoding before it starts
+    (`StepCostModel.covers`: other sizes learn anew). Only that size: the call's one line of verification costs was
+    fitted to its steps at that size, and written for the sizes its rows shrank to as they finished, it priced B = 1
+    at 1.46 plain steps for one draft where 1.04 was measured, for every later call (a cached profile is never
+    learnt anew)."""
+    costs = scheduler.costs if isinstance(scheduler, GoodputSchedule) and scheduler.feedback else None
+    if costs is None or not costs.learnt or batch_size not in costs.plain_batch_sizes:
         return
     description = step_cost_description(model, proposer, patched)
     path = step_costs_path(description)
@@ -115,6 +120,5 @@ def remember_costs(scheduler: Schedule, model, proposer, patched: bool, batch_si
         older = StepCostModel.load(path) if path.exists() else None
     except ValueError:
         older = None
-    learnt = StepCostModel.learnt(scheduler.costs, sorted(scheduler.costs.plain_batch_sizes), proposer.num_draft_tokens,
-                                  description)
+    learnt = StepCostModel.learnt(costs, [batch_size], proposer.num_draft_tokens, description)
     learnt.merged_into(older).save(path)

@@ -59,8 +59,9 @@ from typing import Protocol
 
 import torch
 
+from .acceptance import accepted_variance
 from .costs import StepCostModel
-from .feedback import PLAIN_REFRESH_STEPS, AcceptanceScale, HandOff, OnlineStepCosts
+from .feedback import PLAIN_REFRESH_STEPS, HandOff, OnlineStepCosts
 
 CONFIDENCE_THRESHOLD = 0.0
 """Default threshold on a row's cumulative draft probability for `FixedSchedule` (0: every row verifies all k)."""
@@ -192,8 +193,8 @@ class GoodputSchedule:
             raise ValueError(f"The step costs measure widths up to {costs.max_width}, not k = {num_draft_tokens}.")
         self.costs = costs if isinstance(costs, OnlineStepCosts) else OnlineStepCosts(costs)
         self.handoff = HandOff(self.costs)
-        self.acceptance = AcceptanceScale()
-        self.predictions: deque[float] = deque()  # predicted accepted drafts of chosen steps not yet observed
+        self.variances: deque[float] = deque()  # predicted variance of the drafts accepted by chosen steps not yet
+        # observed (`acceptance.accepted_variance`), for the guard
         self.num_draft_tokens = num_draft_tokens
         self.probe_interval = probe_interval
         self.packed = packed
@@ -249,11 +250,9 @@ class GoodputSchedule:
         elif not self.costs.verify_known:
             counts = (cumulative[:, :1] > 0).sum(1)
         else:
-            scaled = (cumulative * self.acceptance.factor).clamp(max=1.0) if self.feedback else cumulative
-            counts = self._choose_packed(scaled) if self.packed else self._choose_width(scaled)
+            counts = self._choose_packed(cumulative) if self.packed else self._choose_width(cumulative)
         if self.feedback and counts.any():
-            verified = torch.arange(cumulative.shape[1])[None, :] < counts[:, None]
-            self.predictions.append(float((cumulative * verified).sum()))
+            self.variances.append(accepted_variance(cumulative, counts))
         return counts
 
     def stepped(self, proposed: bool) -> None:
@@ -297,8 +296,7 @@ class GoodputSchedule:
         """`[k + 1]` predicted committed tokens per second at width w, drafting costs included for w > 0."""
         seconds = self.step_seconds(batch_size)
         seconds[1:] += self.costs.draft(batch_size)
-        expected = self.expected * self.acceptance.factor if self.feedback else self.expected
-        return batch_size * (1 + expected) / seconds
+        return batch_size * (1 + self.expected) / seconds
 
     def _drafting_pays(self, batch_size: int) -> bool:
         """max_w B (1 + E_w) / (t(B, w) + t_d(B)) > B / t_plain(B)."""
@@ -339,9 +337,10 @@ class GoodputSchedule:
             return
         for (_, batch_size, width, counts, proposed, drafting), (verify_seconds, draft_seconds) in steps:
             drafts, accepted, num_live = counts
+            variance = 0.0
             if width:
                 self.costs.observe_verify(batch_size, batch_size + drafts, verify_seconds)
-                self.acceptance.observe(accepted, self.predictions.popleft())
+                variance = self.variances.popleft()
             else:  # a plain step's forward, whether or not there were proposals (feedback.py: drift)
                 self.costs.observe_plain(batch_size, verify_seconds + (draft_seconds if drafting is None else 0.0))
                 if self.handoff.active and not proposed:
@@ -350,4 +349,4 @@ class GoodputSchedule:
                 self.costs.observe_draft(batch_size, draft_seconds)
             if proposed or drafting is not None:
                 self.handoff.observe(batch_size, num_live, num_live + accepted, verify_seconds, draft_seconds,
-                                     verified=width > 0)
+                                     verified=width > 0, predicted_variance=variance)

@@ -253,6 +253,17 @@ def cumulative_acceptance(per_draft: torch.Tensor) -> torch.Tensor:
     return per_draft.cumprod(dim=1)
 
 
+def accepted_variance(cumulative: torch.Tensor, num_drafts: torch.LongTensor) -> float:
+    """cumulative q `[B, k]`, drafts each row verifies `[B]` -> the variance of the drafts the step accepts, over all
+    rows, taken as independent: row b accepts N_b of its n_b drafts with P(N_b >= j) = q_{b,j} (j <= n_b), so
+    E[N_b] = sum_j q_{b,j} and E[N_b^2] = sum_j (2j - 1) q_{b,j}."""
+    positions = torch.arange(1, cumulative.shape[1] + 1, dtype=cumulative.dtype)
+    verified = cumulative * (positions[None, :] <= num_drafts[:, None])
+    mean = verified.sum(1)
+    second = (verified * (2 * positions - 1)).sum(1)
+    return float((second - mean.square()).sum())
+
+
 def observed_outcomes(num_accepted: torch.LongTensor, num_drafts: torch.LongTensor, k: int):
     """What a verification step tells about each draft: `[B, k]` observed (every draft before it was accepted and
     it was verified) and accepted."""
