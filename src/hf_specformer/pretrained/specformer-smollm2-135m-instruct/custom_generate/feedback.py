@@ -41,9 +41,9 @@ Why the credit: acceptance comes in streaks. At B = 1 on MT-bench (SmolLM2, k = 
 nothing and each costs about a quarter of a plain step more than it returns, so with the deficit floored at zero
 five such steps in a row, which most 128-token calls contain, handed a winning call off for 32 plain steps (bench:
 calls with 0 hand-offs ran 2.13-2.15x, with 1 to 8 hand-offs 1.44-1.97x). With two plain steps of credit a hand-off
-needs a losing run worth three plain steps. A call starts with the credit: without it a streak before the first gains
-handed off 4 of 40 calls (B = 1, MT-bench) that speculation won by 4-25% (a fixed k = 3 against plain steps), and
-one of them ran 1.71 s against 1.32 s with the credit (README, Results); what it costs is bounded above.
+needs a losing run worth three plain steps. A call starts with the credit: without it, streaks before the first gains
+handed off 4 of 40 calls (B = 1, MT-bench), each of which a fixed k = 3 ran 10-35% faster, and one of them ran 1.71 s
+where it ran 1.32 s with the credit (README, Results); what the credit costs is bounded above.
 """
 
 from __future__ import annotations

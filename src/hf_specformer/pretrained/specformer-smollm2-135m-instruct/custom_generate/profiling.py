@@ -107,8 +107,8 @@ def step_cost_profile(model, proposer, patched: bool, batch_size: int, step_cost
 def remember_costs(scheduler: Schedule, model, proposer, patched: bool, batch_size: int) -> None:
     """Caches the step costs a goodput call learnt without a profile (`OnlineStepCosts.learnt`) for the batch size it
     ran at, so the next call at that size can choose between the engine and plain decoding before it starts
-    (`StepCostModel.covers`: other sizes learn anew). Only that size: the call's one line of verification costs was
-    fitted to its steps at that size, and written for the sizes its rows shrank to as they finished, it priced B = 1
+    (`StepCostModel.covers`: other sizes learn anew). Only that size: the call's one line of verification costs is
+    fitted to its steps at that size. Written also for the sizes its rows shrank to as they finished, it priced B = 1
     at 1.46 plain steps for one draft where 1.04 was measured, for every later call (a cached profile is never
     learnt anew)."""
     costs = scheduler.costs if isinstance(scheduler, GoodputSchedule) and scheduler.feedback else None
