@@ -43,7 +43,9 @@ five such steps in a row, which most 128-token calls contain, handed a winning c
 calls with 0 hand-offs ran 2.13-2.15x, with 1 to 8 hand-offs 1.44-1.97x). With two plain steps of credit a hand-off
 needs a losing run worth three plain steps. A call starts with the credit: without it, streaks before the first gains
 handed off 4 of 40 calls (B = 1, MT-bench), each of which a fixed k = 3 ran 10-35% faster, and one of them ran 1.71 s
-where it ran 1.32 s with the credit (README, Results); what the credit costs is bounded above.
+where it ran 1.32 s with the credit (README, Results). What the credit and the wider bound cost is bounded above:
+where every draft was wrong and the table confident, B = 1 calls ran 0.884x plain `generate` with the same CPU
+products (0.933x before them), and 1.42x plain `generate`.
 """
 
 from __future__ import annotations
@@ -237,7 +239,8 @@ class HandOff:
         self.backoff = HANDOFF_BACKOFF if backoff is None else backoff
         self.deficit: float | None = None  # seconds behind plain decoding, floored at -HANDOFF_CREDIT plain steps;
         # None until t_plain is known, then the credit (a call starts with it)
-        self.variance: float | None = None  # running predicted variance of a step's tokens per row (plain steps^2)
+        self.variance: float | None = None  # running predicted variance of a step's tokens per row (a token per row
+        # is a plain step's worth of time, so sigma reads in plain steps)
         self.handoffs = 0
         self.plain_steps_left = 0
 
