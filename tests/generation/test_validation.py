@@ -119,6 +119,24 @@ def test_stateful_guidance_processor_is_rejected():
                  logits_processor=processors, max_new_tokens=4)
 
 
+class _NeedsLengths:
+    """A processor whose `__call__` wants an argument that generation never passes."""
+
+    def __call__(self, input_ids, scores, lengths):
+        return scores
+
+
+def test_processor_needing_more_arguments_is_rejected_like_plain_generate():
+    target = make_target("llama")
+    input_ids, mask = _batch()
+    processors = LogitsProcessorList([_NeedsLengths()])
+    with pytest.raises(ValueError, match="_NeedsLengths"):
+        generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
+                 logits_processor=processors, max_new_tokens=4)
+    with pytest.raises(ValueError, match="required parameters"):
+        target.generate(input_ids=input_ids, attention_mask=mask, logits_processor=processors, max_new_tokens=4)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_zero_draft_tokens_is_plain_decoding(kind):
     """transformers' own loop, writing into a `PreallocatedCache` (no concatenation per step); same output."""
