@@ -15,6 +15,7 @@ rejected: their state cannot be rolled back past rejected drafts.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers import GenerationConfig
@@ -128,12 +129,18 @@ def resolved_pad_token_id(config: GenerationConfig) -> int | None:
 
 
 def check_logits_processors(logits_processor) -> None:
-    """Rejects user processors that keep per-step state of their own (classifier-free guidance)."""
+    """Rejects user processors that keep per-step state of their own (classifier-free guidance), and those that need
+    arguments beyond `(input_ids, scores)`, which plain `generate` refuses at its first step."""
     for processor in logits_processor or []:
         if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor):
             raise ValueError(
                 f"{type(processor).__name__} runs the model itself one token per step and cannot be used with "
                 "speculation."
+            )
+        if len(inspect.signature(processor.__call__).parameters) > 2:
+            raise ValueError(
+                f"{type(processor).__name__} needs arguments beyond (input_ids, scores), which generation does not "
+                "pass."
             )
 
 
