@@ -20,9 +20,12 @@ learnt the text (lower accuracy where the target is equally sure). `--with-looku
 lookup on top of the drafter, and `--with-suffix` one with prompt lookup and cross-request suffix drafts
 (`generation/suffix.py`) from one `SuffixIndex` for the whole evaluation, which holds what that run generated for
 the prompts before (never the plain answers, so nothing is drafted from the text being scored), seeded with
-`--suffix-corpus`'s replies if given. `--alternative-draft N` repeats each live run with `alternative_draft=N` (slot
-1's next-best tokens, each then the drafts after it, verified as branches of their own,
-`generation/alternatives.py`; `--num-alternatives C` of them), each with a suffix index of its own.
+`--suffix-corpus`'s replies if given. With either, the teacher-forced walk is repeated taking at each step the
+better of the drafter's drafts and prompt lookup's (`BEST_OF_LOOKUP`): what a perfect per-step choice between the
+two reaches with this drafter, so a gap is told apart as the run-time rule's or the sources'. `--alternative-draft
+N` repeats each live run with `alternative_draft=N` (slot 1's next-best tokens, each then the drafts after it,
+verified as branches of their own, `generation/alternatives.py`; `--num-alternatives C` of them), each with a suffix
+index of its own.
 
 Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
 each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
@@ -96,6 +99,11 @@ LIVE_RUNS = {"live": "kappa live", "live_lookup": "kappa live + lookup", "live_s
              "live_suffix_alternative": "kappa live + lookup + suffix + alternative"}
 """Report key of each live run -> its table column."""
 
+BEST_OF_LOOKUP = "kappa_best_of_lookup"
+"""Teacher-forced kappa when each step takes the better of the drafter's and prompt lookup's drafts (reported with
+`--with-lookup` or `--with-suffix`): a live run with lookup below it loses to the rule that chooses, one near it to
+the sources (`training.evaluation.best_of_lookup_steps`)."""
+
 ALTERNATIVE = "_alternative"
 """Suffix of a live run's key with the alternative draft (`generation/alternatives.py`)."""
 
@@ -142,7 +150,7 @@ def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str
             texts.setdefault(name, []).append({"input_ids": prompt + answer, "prompt_length": len(prompt)})
     report = {}
     for name, rows in texts.items():
-        forced = evaluate_kappa(target, drafter, rows, k)
+        forced = evaluate_kappa(target, drafter, rows, k, lookup_bound=with_lookup or with_suffix)
         row = {"num_prompts": len(rows), "teacher_forced": forced}
         row.update({run: tallies[run][name].report() for run in runs})
         row["gap"] = max(abs(a - b) for a, b in zip(row["live"]["slot_acceptance"], forced["slot_acceptance"]))
@@ -153,14 +161,17 @@ def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str
 def table(report: dict) -> str:
     """The report as a Markdown table: slot acceptance and kappa, teacher-forced vs live, per group."""
     runs = [run for run in LIVE_RUNS if run in next(iter(report.values()))]
+    bound = BEST_OF_LOOKUP in next(iter(report.values()))["teacher_forced"]
     header = "| group | prompts | slot acceptance, teacher-forced | live | kappa TF | " + \
-        " | ".join(LIVE_RUNS[run] for run in runs) + " | gap | rows unlike plain |"
+        " | ".join(LIVE_RUNS[run] for run in runs) + (" | kappa TF, best of drafter and lookup" if bound else "") + \
+        " | gap | rows unlike plain |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, row in sorted(report.items(), key=lambda item: (item[0] == ALL, item[0])):
         forced, live = row["teacher_forced"], row["live"]
         cells = [name, str(row["num_prompts"]), ", ".join(f"{a:.2f}" for a in forced["slot_acceptance"]),
                  ", ".join(f"{a:.2f}" for a in live["slot_acceptance"]), f"{forced['kappa'][-1]:.2f}"]
         cells += [f"{row[run]['kappa']:.2f}" for run in runs]
+        cells += [f"{forced[BEST_OF_LOOKUP]:.2f}"] if bound else []
         cells += [f"{row['gap']:.3f}", str(sum(row[run]["mismatched_rows"] for run in runs))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -201,7 +212,9 @@ def plot(report: dict, path: Path) -> None:
         ("slot-1 acceptance", {"teacher-forced": lambda r: r["teacher_forced"]["slot_acceptance"][0],
                                "live": lambda r: r["live"]["slot_acceptance"][0]}),
         ("kappa", {"teacher-forced": lambda r: r["teacher_forced"]["kappa"][-1],
-                   **{LIVE_RUNS[run].removeprefix("kappa "): lambda r, run=run: r[run]["kappa"] for run in runs}}),
+                   **{LIVE_RUNS[run].removeprefix("kappa "): lambda r, run=run: r[run]["kappa"] for run in runs},
+                   **({"teacher-forced, best of drafter and lookup": lambda r: r["teacher_forced"][BEST_OF_LOOKUP]}
+                      if BEST_OF_LOOKUP in report[names[0]]["teacher_forced"] else {})}),
         ("teacher-forced slot-1 accuracy by the target's probability p of the label",
          {f"p in [{b['low']:.2f}, {b['high']:.2f}]":
           lambda r, i=i: r["teacher_forced"]["slot1_by_target_confidence"][i]["accuracy"]

@@ -37,6 +37,7 @@ from hf_specformer.models import SpecFormerForDrafting
 from hf_specformer.training.data import collate, cut_loops, load_distilled, loop_end, reply_vocabulary
 from hf_specformer.training.evaluation import (
     acceptance_steps,
+    best_of_lookup_steps,
     confidence_bins,
     draft_tokens,
     evaluate_kappa,
@@ -548,6 +549,22 @@ def test_tree_acceptance_steps_take_the_longest_matching_branch():
     assert set(tree_acceptance_steps(ranked, tokens, start, [(1, 1, 1), (1, 0)])) == {4}  # the longest branch wins
     assert tree_acceptance_steps(ranked[..., :1], tokens, start, [(0, 0, 0)]) == \
         acceptance_steps(ranked[..., 0], tokens, start, 3)
+
+
+def test_best_of_lookup_steps_take_lookup_where_the_text_repeats():
+    period = torch.arange(100, 110)
+    tokens = torch.cat([period, period, period])  # [30]
+    start, k = 4, 3
+    useless = torch.zeros(len(tokens) - 2 - start, k, dtype=torch.long)
+    assert set(acceptance_steps(useless, tokens, start, k)) == {1}
+    # at t = 4..9 the committed prefix (up to x_{t+1}) holds no repeated bigram, so only the target's token counts;
+    # from t = 10 on its last bigram occurred 10 tokens before, and lookup's drafts are the k tokens after it
+    assert best_of_lookup_steps(useless, tokens, start, k) == [1] * 6 + [k + 1] * 4
+    # 4-grams alone first repeat at t = 12 (x_10..x_13 = x_0..x_3)
+    assert best_of_lookup_steps(useless, tokens, start, k, ngram_sizes=(4,)) == [1] * 8 + [k + 1] * 4
+    positions = torch.arange(start, len(tokens) - 2)
+    perfect = torch.stack([tokens[(positions + 2 + j).clamp(max=len(tokens) - 1)] for j in range(k)], dim=1)
+    assert best_of_lookup_steps(perfect, tokens, start, k) == acceptance_steps(perfect, tokens, start, k)
 
 
 def test_ranked_draft_tokens_start_with_the_argmax():

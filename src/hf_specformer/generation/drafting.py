@@ -282,16 +282,25 @@ class SpecFormerProposer(Proposer):
 def lookup_drafts(
     batch: RaggedBatch, num_draft_tokens: int, max_ngram_size: int, min_ngram_size: int = 2
 ) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
-    """Prompt lookup decoding (Saxena, 2023): the last n committed tokens of each active row, n = max_ngram_size down
-    to min_ngram_size, are searched among the row's earlier tokens (prompt and output); the tokens that followed
-    their latest earlier occurrence are the drafts. Longer n-grams win.
-
-    Returns drafts `[B, k]`, found `[B, k]` (False for rows without a match and past the committed prefix) and the
-    matched n `[B]` (0: no match).
-    """
-    prefix = batch.prefix_lengths()  # [B]
+    """Prompt lookup decoding (Saxena, 2023) for the active rows of `batch`: `ngram_lookup` on their committed
+    prefixes. Returns drafts `[B, k]`, found `[B, k]` and the matched n `[B]`."""
     width = min(batch.max_prefix, batch.tokens.shape[1])  # no host read: longer than every prefix
     tokens = batch.tokens[batch.row_ids, :width]  # [B, W]; beyond a row's prefix: scratch, never matched
+    return ngram_lookup(tokens, batch.prefix_lengths(), num_draft_tokens, max_ngram_size, min_ngram_size)
+
+
+def ngram_lookup(
+    tokens: torch.LongTensor, prefix: torch.LongTensor, num_draft_tokens: int, max_ngram_size: int,
+    min_ngram_size: int = 2,
+) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
+    """Prompt lookup's drafts: the last n tokens of each row's prefix (`tokens` `[B, W]`, the first `prefix[b]`
+    committed, the rest never matched), n = max_ngram_size down to min_ngram_size, are searched among the row's
+    earlier tokens; the tokens that followed their latest earlier occurrence are the drafts. Longer n-grams win.
+
+    Returns drafts `[B, k]`, found `[B, k]` (False for rows without a match and past the prefix) and the matched n
+    `[B]` (0: no match).
+    """
+    width = tokens.shape[1]
     continuation = torch.full_like(prefix, -1)  # [B] first column after the matched occurrence
     matched = torch.zeros_like(prefix)  # [B] its n
     for size in range(max_ngram_size, min_ngram_size - 1, -1):

@@ -7,11 +7,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from hf_specformer.generation.drafting import ngram_lookup
 from hf_specformer.models.specformer import SpecFormerForDrafting
 from hf_specformer.training.target_states import next_token_ids, target_hidden_states
 
 CONFIDENCE_EDGES = (0.5, 0.8, 0.95)
 """Bin edges of the target's probability of slot 1's label, for `evaluate_kappa`'s `slot1_by_target_confidence`."""
+
+LOOKUP_NGRAM_SIZES = (2, 3, 4)
+"""The n-gram sizes whose prompt-lookup drafts `best_of_lookup_steps` weighs (those the engine matches by default)."""
 
 
 def acceptance_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int) -> list[int]:
@@ -49,6 +53,31 @@ def tree_acceptance_steps(ranked: torch.Tensor, tokens: torch.Tensor, start: int
         steps.append(step)
         position += step
     return steps
+
+
+def lookup_candidates(tokens: torch.Tensor, start: int, count: int, k: int,
+                      ngram_sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prompt lookup's drafts at the positions t = start .. start + count - 1 of a sequence `tokens` `[L]`, whose
+    committed prefix there ends with the target's token x_{t+1} (as a drafter's slot j guesses x_{t+2+j}): for each n
+    in `ngram_sizes`, the drafts of an n-gram match alone (`generation.drafting.ngram_lookup`, the engine's own
+    matching), as (ids `[count, k]`, found `[count, k]`)."""
+    prefix = torch.arange(start + 2, start + 2 + count, device=tokens.device)
+    rows = tokens[None].expand(count, -1)
+    return [ngram_lookup(rows, prefix, k, n, n)[:2] for n in ngram_sizes]
+
+
+def best_of_lookup_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int,
+                         ngram_sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> list[int]:
+    """Teacher-forced steps (as `acceptance_steps`) where each step takes whichever accepts most: the drafter's k
+    drafts `drafts` `[P, >= k]`, or prompt lookup's at one n of `ngram_sizes` (`lookup_candidates`; slots past the
+    match keep the drafter's, as at run time). A perfect per-step choice between the two sources, against the rule
+    that chooses at run time (`generation.drafting.lookup_overrides`), so a gap to a target is told apart as the
+    rule's or the sources'. (Greedy per step, so not a strict bound: a shorter step can land on a better position.)"""
+    drafts = drafts[:, :k]
+    chains = [drafts] + [torch.where(found, ids, drafts)
+                         for ids, found in lookup_candidates(tokens, start, drafts.shape[0], k, ngram_sizes)]
+    return tree_acceptance_steps(torch.stack(chains, dim=2), tokens, start, [(chain,) * k for chain in
+                                                                              range(len(chains))])
 
 
 @torch.no_grad()
@@ -105,7 +134,8 @@ def confidence_bins(hits: torch.Tensor, confidence: torch.Tensor, edges: Sequenc
 
 @torch.no_grad()
 def evaluate_kappa(
-    target: PreTrainedModel, drafter: SpecFormerForDrafting, dataset: Iterable[dict], max_k: int
+    target: PreTrainedModel, drafter: SpecFormerForDrafting, dataset: Iterable[dict], max_k: int,
+    lookup_bound: bool = False,
 ) -> dict:
     """Teacher-forced accepted length kappa(k) for k = 1..max_k and per-slot top-1 accuracy on held-out sequences.
 
@@ -120,14 +150,17 @@ def evaluate_kappa(
     accuracy per bin of the target's own probability of the label, so a harder text shows as more positions in the
     low bins, a drafter that has not learnt the text as lower accuracy within the same bins) and
     `draft_vocab_coverage` (the share of slot-1 labels the drafter can draft at all; 1.0 without a draft vocabulary).
+    With `lookup_bound`, `kappa_best_of_lookup` is kappa at k = max_k when each step takes the better of the
+    drafter's drafts and prompt lookup's (`best_of_lookup_steps`).
     Returns `{"kappa", "slot_accuracy", "slot_acceptance": [max_k floats], "slot1_by_target_confidence": [...],
     "draft_vocab_coverage": float, "mean_target_confidence": float, "num_steps", "num_sequences",
-    "num_positions": int}`.
+    "num_positions": int}` (and `"kappa_best_of_lookup": float`).
     """
     was_training = drafter.training
     drafter.eval()
     device = next(drafter.parameters()).device
     steps = [[] for _ in range(max_k)]
+    bound_steps = []
     hits, counts = torch.zeros(max_k), torch.zeros(max_k)
     first_hits, confidences, covered = [], [], []
     num_sequences = num_positions = 0
@@ -140,6 +173,8 @@ def evaluate_kappa(
             continue
         for k in range(1, max_k + 1):
             steps[k - 1].extend(acceptance_steps(drafts, tokens, start, k))
+        if lookup_bound:
+            bound_steps.extend(best_of_lookup_steps(drafts, tokens, start, max_k))
         labels = [tokens[start + 2 + slot :] for slot in range(max_k)]  # slot j at start + r: x_{start + r + 2 + j}
         matches = [drafts[: len(label), slot] == label for slot, label in enumerate(labels)]  # empty past the end
         hits += torch.tensor([float(match.sum()) for match in matches])
@@ -155,7 +190,7 @@ def evaluate_kappa(
     walk = torch.tensor(steps[-1], dtype=torch.float64)
     first_hits, confidences, covered = (torch.cat(values) if values else torch.zeros(0)
                                         for values in (first_hits, confidences, covered))
-    return {
+    report = {
         "kappa": [sum(s) / len(s) if s else float("nan") for s in steps],
         "slot_accuracy": (hits / counts.clamp(min=1)).tolist(),
         "slot_acceptance": [float((walk >= slot + 2).double().mean()) if len(walk) else float("nan")
@@ -167,3 +202,6 @@ def evaluate_kappa(
         "num_sequences": num_sequences,
         "num_positions": num_positions,
     }
+    if lookup_bound:
+        report["kappa_best_of_lookup"] = sum(bound_steps) / len(bound_steps) if bound_steps else float("nan")
+    return report
