@@ -53,7 +53,7 @@ from .prompts import (
 )
 from .shipped_models import load_drafter
 from .targets import DEFAULT_TARGET, DTYPES, default_device, describe_machine, load_target, load_tokenizer
-from .training.evaluation import evaluate_kappa
+from .training.evaluation import BEST_OF_LOOKUP, evaluate_kappa
 
 MAX_GAP = 0.05
 """Largest |live - teacher-forced| slot acceptance on the same texts that is not a bug."""
@@ -99,11 +99,6 @@ LIVE_RUNS = {"live": "kappa live", "live_lookup": "kappa live + lookup", "live_s
              "live_suffix_alternative": "kappa live + lookup + suffix + alternative"}
 """Report key of each live run -> its table column."""
 
-BEST_OF_LOOKUP = "kappa_best_of_lookup"
-"""Teacher-forced kappa when each step takes the better of the drafter's and prompt lookup's drafts (reported with
-`--with-lookup` or `--with-suffix`): a live run with lookup below it loses to the rule that chooses, one near it to
-the sources (`training.evaluation.best_of_lookup_steps`)."""
-
 ALTERNATIVE = "_alternative"
 """Suffix of a live run's key with the alternative draft (`generation/alternatives.py`)."""
 
@@ -148,9 +143,10 @@ def evaluate_drafter(target, drafter, prompts: list[list[int]], groups: list[str
                 tallies[run].setdefault(name, LiveTally(k)).add(output.speculation_stats, identical)
         for name in (group, ALL):
             texts.setdefault(name, []).append({"input_ids": prompt + answer, "prompt_length": len(prompt)})
+    bound_sizes = range(2, lookup_ngram_size + 1) if with_lookup or with_suffix else ()  # as the live runs match
     report = {}
     for name, rows in texts.items():
-        forced = evaluate_kappa(target, drafter, rows, k, lookup_bound=with_lookup or with_suffix)
+        forced = evaluate_kappa(target, drafter, rows, k, lookup_ngram_sizes=bound_sizes)
         row = {"num_prompts": len(rows), "teacher_forced": forced}
         row.update({run: tallies[run][name].report() for run in runs})
         row["gap"] = max(abs(a - b) for a, b in zip(row["live"]["slot_acceptance"], forced["slot_acceptance"]))

@@ -559,12 +559,12 @@ def test_best_of_lookup_steps_take_lookup_where_the_text_repeats():
     assert set(acceptance_steps(useless, tokens, start, k)) == {1}
     # at t = 4..9 the committed prefix (up to x_{t+1}) holds no repeated bigram, so only the target's token counts;
     # from t = 10 on its last bigram occurred 10 tokens before, and lookup's drafts are the k tokens after it
-    assert best_of_lookup_steps(useless, tokens, start, k) == [1] * 6 + [k + 1] * 4
+    assert best_of_lookup_steps(useless, tokens, start, k, (2, 3, 4)) == [1] * 6 + [k + 1] * 4
     # 4-grams alone first repeat at t = 12 (x_10..x_13 = x_0..x_3)
     assert best_of_lookup_steps(useless, tokens, start, k, ngram_sizes=(4,)) == [1] * 8 + [k + 1] * 4
     positions = torch.arange(start, len(tokens) - 2)
     perfect = torch.stack([tokens[(positions + 2 + j).clamp(max=len(tokens) - 1)] for j in range(k)], dim=1)
-    assert best_of_lookup_steps(perfect, tokens, start, k) == acceptance_steps(perfect, tokens, start, k)
+    assert best_of_lookup_steps(perfect, tokens, start, k, (2, 3, 4)) == acceptance_steps(perfect, tokens, start, k)
 
 
 def test_ranked_draft_tokens_start_with_the_argmax():

@@ -14,8 +14,8 @@ from hf_specformer.training.target_states import next_token_ids, target_hidden_s
 CONFIDENCE_EDGES = (0.5, 0.8, 0.95)
 """Bin edges of the target's probability of slot 1's label, for `evaluate_kappa`'s `slot1_by_target_confidence`."""
 
-LOOKUP_NGRAM_SIZES = (2, 3, 4)
-"""The n-gram sizes whose prompt-lookup drafts `best_of_lookup_steps` weighs (those the engine matches by default)."""
+BEST_OF_LOOKUP = "kappa_best_of_lookup"
+"""`evaluate_kappa`'s key for kappa when each step takes the better of the drafter's and prompt lookup's drafts."""
 
 
 def acceptance_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int) -> list[int]:
@@ -56,7 +56,7 @@ def tree_acceptance_steps(ranked: torch.Tensor, tokens: torch.Tensor, start: int
 
 
 def lookup_candidates(tokens: torch.Tensor, start: int, count: int, k: int,
-                      ngram_sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      ngram_sizes: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prompt lookup's drafts at the positions t = start .. start + count - 1 of a sequence `tokens` `[L]`, whose
     committed prefix there ends with the target's token x_{t+1} (as a drafter's slot j guesses x_{t+2+j}): for each n
     in `ngram_sizes`, the drafts of an n-gram match alone (`generation.drafting.ngram_lookup`, the engine's own
@@ -67,7 +67,7 @@ def lookup_candidates(tokens: torch.Tensor, start: int, count: int, k: int,
 
 
 def best_of_lookup_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int,
-                         ngram_sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> list[int]:
+                         ngram_sizes: Sequence[int]) -> list[int]:
     """Teacher-forced steps (as `acceptance_steps`) where each step takes whichever accepts most: the drafter's k
     drafts `drafts` `[P, >= k]`, or prompt lookup's at one n of `ngram_sizes` (`lookup_candidates`; slots past the
     match keep the drafter's, as at run time). A perfect per-step choice between the two sources, against the rule
@@ -135,7 +135,7 @@ def confidence_bins(hits: torch.Tensor, confidence: torch.Tensor, edges: Sequenc
 @torch.no_grad()
 def evaluate_kappa(
     target: PreTrainedModel, drafter: SpecFormerForDrafting, dataset: Iterable[dict], max_k: int,
-    lookup_bound: bool = False,
+    lookup_ngram_sizes: Sequence[int] = (),
 ) -> dict:
     """Teacher-forced accepted length kappa(k) for k = 1..max_k and per-slot top-1 accuracy on held-out sequences.
 
@@ -150,11 +150,11 @@ def evaluate_kappa(
     accuracy per bin of the target's own probability of the label, so a harder text shows as more positions in the
     low bins, a drafter that has not learnt the text as lower accuracy within the same bins) and
     `draft_vocab_coverage` (the share of slot-1 labels the drafter can draft at all; 1.0 without a draft vocabulary).
-    With `lookup_bound`, `kappa_best_of_lookup` is kappa at k = max_k when each step takes the better of the
-    drafter's drafts and prompt lookup's (`best_of_lookup_steps`).
+    With `lookup_ngram_sizes` (e.g. 2..4, as the engine matches), `BEST_OF_LOOKUP` is kappa at k = max_k when each
+    step takes the better of the drafter's drafts and prompt lookup's at those n (`best_of_lookup_steps`).
     Returns `{"kappa", "slot_accuracy", "slot_acceptance": [max_k floats], "slot1_by_target_confidence": [...],
     "draft_vocab_coverage": float, "mean_target_confidence": float, "num_steps", "num_sequences",
-    "num_positions": int}` (and `"kappa_best_of_lookup": float`).
+    "num_positions": int}` (and `BEST_OF_LOOKUP: float`).
     """
     was_training = drafter.training
     drafter.eval()
@@ -173,8 +173,8 @@ def evaluate_kappa(
             continue
         for k in range(1, max_k + 1):
             steps[k - 1].extend(acceptance_steps(drafts, tokens, start, k))
-        if lookup_bound:
-            bound_steps.extend(best_of_lookup_steps(drafts, tokens, start, max_k))
+        if lookup_ngram_sizes:
+            bound_steps.extend(best_of_lookup_steps(drafts, tokens, start, max_k, lookup_ngram_sizes))
         labels = [tokens[start + 2 + slot :] for slot in range(max_k)]  # slot j at start + r: x_{start + r + 2 + j}
         matches = [drafts[: len(label), slot] == label for slot, label in enumerate(labels)]  # empty past the end
         hits += torch.tensor([float(match.sum()) for match in matches])
@@ -202,6 +202,6 @@ def evaluate_kappa(
         "num_sequences": num_sequences,
         "num_positions": num_positions,
     }
-    if lookup_bound:
-        report["kappa_best_of_lookup"] = sum(bound_steps) / len(bound_steps) if bound_steps else float("nan")
+    if lookup_ngram_sizes:
+        report[BEST_OF_LOOKUP] = sum(bound_steps) / len(bound_steps) if bound_steps else float("nan")
     return report
