@@ -6,7 +6,7 @@
 #      writes runs/code_lora/adapter (PEFT) and runs/code_lora/drafter (merged, a complete Hub folder).
 set -euo pipefail
 OUT=${OUT:-runs}
-DRAFTER=$(python -c "from hf_specformer.shipped_models import shipped_drafter_dir; print(shipped_drafter_dir())")
+DRAFTER=$(python -c "from hf_specformer.targets import shipped_drafter_dir; print(shipped_drafter_dir())")
 
 python examples/make_code_prompts.py "$OUT/code_prompts.jsonl"
 hf-specformer distill --prompts "$OUT/code_prompts.jsonl" --output "$OUT/distill_code" --max-new-tokens 160 \

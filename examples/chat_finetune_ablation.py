@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from hf_specformer import SpecFormerForDrafting
-from hf_specformer.shipped_models import shipped_drafter_dir
+from hf_specformer.targets import shipped_drafter_dir
 from hf_specformer.training.data import load_distilled, reply_token_counts, reply_vocabulary
 
 FINE_TUNES = {"hard": "hard labels", "soft": "hard + soft labels (forward KL, weight 1)",

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_specformer.records import PROGRESS_DIR, THROUGHPUT_FILE
+from hf_specformer.data.records import PROGRESS_DIR, THROUGHPUT_FILE
 from hf_specformer.targets import describe_machine
 
 

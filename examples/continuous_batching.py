@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from hf_specformer import generate, generate_batch
-from hf_specformer.shipped_models import load_drafter
-from hf_specformer.batching import cut_after_eos, eos_token_ids, left_pad
-from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
+from hf_specformer.targets import load_drafter
+from hf_specformer.data.batching import cut_after_eos, eos_token_ids, left_pad
+from hf_specformer.data.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.targets import describe_machine, load_target, load_tokenizer
 from transformers import ContinuousBatchingConfig, GenerationConfig
 

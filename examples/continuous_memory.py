@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from hf_specformer import generate_batch
-from hf_specformer.shipped_models import load_drafter
-from hf_specformer.prompts import chat_prompt_ids, find_shared_data, load_prompts
+from hf_specformer.targets import load_drafter
+from hf_specformer.data.prompts import chat_prompt_ids, find_shared_data, load_prompts
 from hf_specformer.targets import describe_machine, load_target, load_tokenizer
 
 

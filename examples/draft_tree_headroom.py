@@ -29,10 +29,10 @@ import matplotlib
 import torch
 from tqdm.auto import tqdm
 
-from hf_specformer.batching import cut_after_eos, eos_token_ids
-from hf_specformer.drafter_eval import MTBENCH_PROMPTS, select
-from hf_specformer.prompts import chat_prompt_ids, find_shared_data, labelled_prompts
-from hf_specformer.shipped_models import load_drafter
+from hf_specformer.data.batching import cut_after_eos, eos_token_ids
+from hf_specformer.apps.drafter_eval import MTBENCH_PROMPTS, select
+from hf_specformer.data.prompts import chat_prompt_ids, find_shared_data, labelled_prompts
+from hf_specformer.targets import load_drafter
 from hf_specformer.targets import load_target, load_tokenizer
 from hf_specformer.training.data import load_distilled
 from hf_specformer.training.evaluation import draft_tokens, tree_acceptance_steps

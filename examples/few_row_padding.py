@@ -32,11 +32,11 @@ import torch
 from transformers import DynamicCache
 
 from hf_specformer import generate
-from hf_specformer.batching import left_pad
-from hf_specformer.drafter_eval import MTBENCH_PROMPTS
+from hf_specformer.data.batching import left_pad
+from hf_specformer.apps.drafter_eval import MTBENCH_PROMPTS
 from hf_specformer.generation import linears
-from hf_specformer.prompts import DEFAULT_PROMPTS_FILE, chat_prompt_ids, find_shared_data, labelled_prompts
-from hf_specformer.shipped_models import load_drafter
+from hf_specformer.data.prompts import DEFAULT_PROMPTS_FILE, chat_prompt_ids, find_shared_data, labelled_prompts
+from hf_specformer.targets import load_drafter
 from hf_specformer.targets import load_target, load_tokenizer
 
 matplotlib.use("Agg")

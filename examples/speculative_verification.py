@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel
 
 import hf_specformer
-from hf_specformer.shipped_models import shipped_companion_dir, shipped_drafter_dir
+from hf_specformer.targets import shipped_companion_dir, shipped_drafter_dir
 from hf_specformer.targets import load_target, load_tokenizer
 
 torch.set_num_threads(2)

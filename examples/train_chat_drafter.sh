@@ -19,7 +19,7 @@ set -euo pipefail
 OUT=${OUT:-runs/chat}
 PROMPTS=${PROMPTS:-1200}
 EPOCHS=${EPOCHS:-2}
-DRAFTER=${DRAFTER:-$(python -c "from hf_specformer.shipped_models import shipped_drafter_dir as d; print(d())")}
+DRAFTER=${DRAFTER:-$(python -c "from hf_specformer.targets import shipped_drafter_dir as d; print(d())")}
 
 synthesize() {  # synthesize NAME COUNT SEED [EARLIER...]: COUNT chat prompts into $OUT/NAME.jsonl, none in EARLIER's
     local name=$1 count=$2 seed=$3 exclude=(); shift 3
@@ -98,7 +98,7 @@ hf-specformer export --drafter "$OUT/$BEST/drafter" --output "$OUT/drafter" --ev
     --num-speculative-tokens 3 --dtype bfloat16
 # The drafter's confidence table and the shipped companion's (S, A) table, both fitted with the exported drafter.
 rm -rf "$OUT/companion"
-cp -r "$(python -c "from hf_specformer.shipped_models import shipped_companion_dir; print(shipped_companion_dir())")" \
+cp -r "$(python -c "from hf_specformer.targets import shipped_companion_dir; print(shipped_companion_dir())")" \
     "$OUT/companion"
 hf-specformer calibrate --data "$OUT/distill_heldout" --drafter "$OUT/drafter" --companion "$OUT/companion" --write \
     --output "$OUT/calibration.json"

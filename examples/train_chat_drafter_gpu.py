@@ -73,10 +73,10 @@ from pathlib import Path
 import torch
 from datasets import Dataset, concatenate_datasets
 
-from hf_specformer.answering import GenerationSettings, Throughput, answer_batch
-from hf_specformer.batch_generation import make_record
-from hf_specformer.batching import plan_batches, prompt_ids
-from hf_specformer.prompts import benchmark_ngrams, load_prompts, overlapping_prompts
+from hf_specformer.data.answering import GenerationSettings, Throughput, answer_batch
+from hf_specformer.apps.batch_job import make_record
+from hf_specformer.data.batching import plan_batches, prompt_ids
+from hf_specformer.data.prompts import benchmark_ngrams, load_prompts, overlapping_prompts
 from hf_specformer.targets import DTYPES, load_target, load_tokenizer
 from hf_specformer.training.data import load_distilled
 from hf_specformer.training.synthesize import CATEGORY_SYSTEM_PROMPTS, synthesize_prompts

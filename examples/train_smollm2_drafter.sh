@@ -10,7 +10,7 @@ hf-specformer distill ${PROMPTS:+--prompts "$PROMPTS"} --output "$OUT/distill" -
 # Resumable: re-run the same command after an interruption, or add --resume to the training command.
 # CPU recipe: the slot stage and the feature loss at every reply position, the vocabulary-sized head at 24 of them,
 # the frozen target's states kept in memory after the first epoch, drafts from the 8192 most frequent reply tokens.
-accelerate launch --num_processes 1 --cpu -m hf_specformer.train --target smollm2 --data "$OUT/distill" \
+accelerate launch --num_processes 1 --cpu -m hf_specformer.training.train_drafter --target smollm2 --data "$OUT/distill" \
     --output-dir "$OUT/train" --epochs 5 --per-device-batch-size 8 --learning-rate 7e-4 --min-learning-rate 3e-5 \
     --warmup-ratio 0.03 --positions-per-sequence 0 --ce-positions-per-sequence 24 --feature-loss-weight 0.005 \
     --cache-target-states --draft-vocab-size 8192 --max-length 640

@@ -5,7 +5,7 @@
 #   4. a shorter second stage continues at a lower learning rate,
 #   5. a third stage adds the next-token input (--next-token-input, an extension of the paper: each position also
 #      reads the token after it, so slot 1 sees the correction/bonus token); the shipped drafter ran it on the CPU:
-#        python -m hf_specformer.train --data "$OUT/distill" --output-dir "$OUT/train3" --init-from "$OUT/train2/drafter" \
+#        python -m hf_specformer.training.train_drafter --data "$OUT/distill" --output-dir "$OUT/train3" --init-from "$OUT/train2/drafter" \
 #          --next-token-input --new-parameter-learning-rate-scale 10 --max-steps 400 --per-device-batch-size 8 \
 #          --positions-per-sequence 32 --ce-positions-per-sequence 16 --max-length 512 --learning-rate 1e-4 \
 #          --warmup-ratio 0.03 --eval-fraction 0.005 --eval-every 0 --save-every 40 --num-threads 2 --save-dtype float32
@@ -28,11 +28,11 @@ hf-specformer distill ${PROMPTS:+--prompts "$PROMPTS"} --prompts "$OUT/self_prom
 COMMON=(--data "$OUT/distill" --per-device-batch-size 64 --mixed-precision bf16 --positions-per-sequence 0
         --min-learning-rate 1e-5 --warmup-ratio 0.03 --eval-fraction 0.005 --eval-every 0 --save-every 250
         --save-dtype float32 --max-length 768 --draft-length 8)
-accelerate launch -m hf_specformer.train "${COMMON[@]}" --output-dir "$OUT/train" --max-steps "$STEPS" \
+accelerate launch -m hf_specformer.training.train_drafter "${COMMON[@]}" --output-dir "$OUT/train" --max-steps "$STEPS" \
     --learning-rate 5e-4
-accelerate launch -m hf_specformer.train "${COMMON[@]}" --output-dir "$OUT/train2" --max-steps 560 \
+accelerate launch -m hf_specformer.training.train_drafter "${COMMON[@]}" --output-dir "$OUT/train2" --max-steps 560 \
     --learning-rate 1.5e-4 --init-from "$OUT/train/drafter"
-accelerate launch -m hf_specformer.train "${COMMON[@]}" --output-dir "$OUT/train3" --max-steps "${STEPS3:-1000}" \
+accelerate launch -m hf_specformer.training.train_drafter "${COMMON[@]}" --output-dir "$OUT/train3" --max-steps "${STEPS3:-1000}" \
     --learning-rate 1e-4 --init-from "$OUT/train2/drafter" --next-token-input --new-parameter-learning-rate-scale 10
 hf-specformer export --drafter "$OUT/train3/drafter" --output "$OUT/specformer-smollm2-135m-instruct" \
     --eval "$OUT/train3/eval.json" --draft-vocab-size 8192 --draft-vocab-data "$OUT/distill"

@@ -14,9 +14,10 @@ ALLOWED = {
     "generation": {"generation", "kernels"},
     "kernels": {"kernels"},
     "hub": {"hub", "models", "generation"},
-    "training": {"training", "models", "generation", "hub", "targets", "prompts", "records", "shipped_models",
-                 "batching", "batch_generation"},
+    "data": {"data", "generation"},
+    "training": {"training", "models", "generation", "hub", "targets", "data"},
 }
+"""Library subpackage -> what it may import. The applications (`apps/`) may import anything; nothing imports them."""
 BUNDLED_EXTERNAL = {"torch", "transformers", "numpy"} | set(sys.stdlib_module_names)
 """What Hub remote code may import: torch, transformers, numpy (which transformers requires), the standard library."""
 
@@ -46,6 +47,17 @@ def test_one_way_imports(package):
     for path in (PACKAGE / package).rglob("*.py"):
         internal, _ = internal_imports(path)
         assert internal <= ALLOWED[package], f"{path.relative_to(PACKAGE)} imports {internal - ALLOWED[package]}"
+
+
+def test_the_library_never_imports_the_applications():
+    for path in PACKAGE.rglob("*.py"):
+        if "apps" not in path.relative_to(PACKAGE).parts and "pretrained" not in path.parts:
+            assert "apps" not in internal_imports(path)[0], f"{path.relative_to(PACKAGE)} imports the applications"
+
+
+def test_the_cpu_backend_and_the_targets_import_no_generation():
+    assert internal_imports(PACKAGE / "cpu.py")[0] == set()
+    assert internal_imports(PACKAGE / "targets.py")[0] <= {"models"}
 
 
 @pytest.mark.parametrize("folder", ["models/specformer", "models/companion", "generation"])

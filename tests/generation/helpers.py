@@ -5,28 +5,16 @@ from __future__ import annotations
 import torch
 from conftest import TEST_DEVICE
 
-from hf_specformer import OracleProposer, Proposal, generate
-from hf_specformer.generation.acceptance import (
-    NUM_SOURCES,
-    PRIOR_TRIALS,
-    SIGNALS,
-    AcceptanceTable,
-)
+from hf_specformer import OracleProposer, Proposal, StepCosts, generate
+from hf_specformer.generation.acceptance import NUM_SOURCES, PRIOR_TRIALS, SIGNALS, AcceptanceTable
 from hf_specformer.generation.batch import RaggedBatch
-from hf_specformer.generation.costs import StepCostModel
-from hf_specformer.generation.feedback import StepClock
 
 PAD = 0
 
-TEST_STEP_COSTS = StepCostModel(
-    batch_sizes=[1, 64],
-    step_seconds=[[1.0 + 0.4 * w for w in range(9)], [64.0 * (1.0 + 0.4 * w) for w in range(9)]],
-    draft_seconds=[0.05, 3.2],
-    description={"what": "test costs: t(B, w) = B (1 + 0.4 w), t_d(B) = 0.05 B"},
-)
-"""Made-up step costs for the goodput scheduler in tests: deterministic (measured costs of tiny models are noise),
-and with this slope a row's drafts are verified only when their estimated acceptance is high, so tests see plain
-steps, narrow and full-width steps, and skipped drafting."""
+TEST_STEP_COSTS = StepCosts(plain=1.0, per_input=0.4, draft=0.05, learn=False)
+"""Made-up step costs for the goodput scheduler in tests, t(B, w) = B (1 + 0.4 w) and t_d(B) = 0.05 B: deterministic
+(measured costs of tiny models are noise), and with this slope a row's drafts are verified only when their estimated
+acceptance is high, so tests see plain steps, narrow and full-width steps, and skipped drafting."""
 
 
 def optimistic_table(signal: str, num_slots: int = 8) -> dict:
@@ -55,10 +43,14 @@ def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int
 
 
 def started_batch(input_ids: torch.LongTensor, attention_mask, capacity: int, pad_token_id: int = PAD) -> RaggedBatch:
-    """A `RaggedBatch` of every row of `input_ids` (`[B, P]`), admitted as the engine admits them, before their
-    prefill."""
-    batch = RaggedBatch.start(input_ids, attention_mask, capacity, pad_token_id)
-    batch.join(batch.admission(torch.arange(input_ids.shape[0], device=input_ids.device), input_ids.shape[1]))
+    """A `RaggedBatch` of every row of `input_ids` (`[B, P]`), admitted as the engine admits them, with their prompt
+    columns committed (as after their prefill); `capacity` new tokens fit after the prompt."""
+    rows = input_ids.shape[0]
+    batch = RaggedBatch.start(input_ids, attention_mask, capacity, rows, input_ids.shape[1] + 2 * capacity,
+                              pad_token_id)
+    new = batch.admission(list(range(rows)))
+    new.commit_prompt()
+    batch.join(new)
     return batch
 
 
@@ -93,38 +85,29 @@ class SoftOracle(OracleProposer):
         super().__init__(noisy.continuations[:, :-(k + 1)], k, vocab, PAD)
         self.generator = torch.Generator().manual_seed(seed + 1)
 
-    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
-        one_hot = super().propose(batch, hidden_states, position_ids, source_index, draft).logits
-        if one_hot is None:
+    def propose(self, batch, step, caches, draft=True, free=True) -> Proposal:
+        if not draft:
             return Proposal()
-        margin = torch.rand(one_hot.shape[:2], generator=self.generator, dtype=one_hot.dtype).to(one_hot.device) * 8
-        return Proposal(torch.where(one_hot.isinf(), 0.0, margin[..., None]))
+        ids = self.draft_ids(batch)
+        margin = torch.rand(ids.shape, generator=self.generator, dtype=torch.float64).to(ids.device) * 8
+        logits = torch.zeros(*ids.shape, self.vocab_size, dtype=torch.float64, device=ids.device)
+        return Proposal(logits.scatter_(2, ids[..., None], margin[..., None]))
 
 
-def assert_same_as_generate(
-    target, assistant, input_ids, attention_mask, num_draft_tokens=None, compaction_hole_fraction=0.5,
-    lookup_ngram_size=None, confidence_threshold=None, schedule=None, step_costs=TEST_STEP_COSTS,
-    companion_model=None, packed_verification=None, cost_feedback=None, suffix_index=None, max_batch_size=None,
-    memory_budget=None, alternative_draft=None, num_alternatives=None, **kwargs
-):
-    """Speculative output equals `target.generate` token for token; returns the speculative output.
-    `None` keeps `generate`'s defaults (the goodput schedule, here with `TEST_STEP_COSTS` taken as they are, so the
-    scheduler's choices do not depend on timings; `cost_feedback=True` learns them from the steps)."""
-    if cost_feedback is None:
-        cost_feedback = step_costs is None
-    speculative_only = {
-        "lookup_ngram_size": lookup_ngram_size, "confidence_threshold": confidence_threshold, "schedule": schedule,
-        "step_costs": step_costs, "companion_model": companion_model, "packed_verification": packed_verification,
-        "cost_feedback": cost_feedback, "suffix_index": suffix_index, "max_batch_size": max_batch_size,
-        "memory_budget": memory_budget, "alternative_draft": alternative_draft, "num_alternatives": num_alternatives,
-    }
-    kwargs_spec = {name: value for name, value in speculative_only.items() if value is not None}
+SPECULATION_FIELDS = ("lookup_ngram_size", "schedule", "confidence_threshold", "step_costs", "suffix_index",
+                      "max_batch_size", "memory_budget", "compaction_hole_fraction", "kernel_backend", "num_draft_tokens")
+
+
+def assert_same_as_generate(target, assistant, input_ids, attention_mask, step_costs=TEST_STEP_COSTS, **kwargs):
+    """Speculative output equals `target.generate` token for token; returns the speculative output. `kwargs` named
+    in `SPECULATION_FIELDS` go into the `SpeculationConfig` (None: its default), the rest to both calls; the goodput
+    schedule runs on `TEST_STEP_COSTS` unless `step_costs` says otherwise (None: learnt from the steps)."""
+    speculation = {name: kwargs.pop(name) for name in SPECULATION_FIELDS if name in kwargs}
+    speculation = {name: value for name, value in {**speculation, "step_costs": step_costs}.items() if value is not None}
+    ours = {name: kwargs.pop(name) for name in ("companion_model", "sampling_seeds", "row_finished") if name in kwargs}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
-    output = generate(
-        target, input_ids=input_ids, attention_mask=attention_mask, assistant_model=assistant, do_sample=False,
-        return_dict_in_generate=True, num_draft_tokens=num_draft_tokens,
-        compaction_hole_fraction=compaction_hole_fraction, **kwargs_spec, **kwargs,
-    )
+    output = generate(target, input_ids=input_ids, attention_mask=attention_mask, assistant_model=assistant,
+                      do_sample=False, return_dict_in_generate=True, speculation_config=speculation, **ours, **kwargs)
     assert output.sequences.shape == reference.shape, (output.sequences.shape, reference.shape)
     mismatched = (output.sequences != reference).any(dim=1).nonzero().flatten().tolist()
     assert not mismatched, f"rows {mismatched} differ:\n{output.sequences[mismatched]}\n{reference[mismatched]}"
@@ -145,12 +128,3 @@ def char_tokenizer():
     tokenizer.pre_tokenizer = Split(Regex("."), behavior="isolated")
     tokenizer.decoder = Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-class SimulatedClock(StepClock):
-    """Seconds that depend on a step's work alone, not on the machine's load: a step costs 1 s plus 0.1 s per
-    verified draft, drafting 0.3 s (what learnt costs then converge to, whatever else runs beside the test)."""
-
-    def read(self) -> list[tuple[tuple, list[float]]]:
-        timed = super().read()
-        return [(label, [1.0 + 0.1 * label[3][0], 0.3 if label[5] else 0.0]) for label, _ in timed]

@@ -13,7 +13,6 @@ from hf_specformer.generation.acceptance import (
     SIGNALS,
     AcceptanceEstimator,
     AcceptanceTable,
-    accepted_variance,
     draft_confidence,
     draft_features,
     observed_outcomes,
@@ -73,23 +72,6 @@ def test_signals_of_sampled_drafts_read_the_draft_distribution_not_the_token():
     assert float(expected_ratio) == pytest.approx(0.6)  # E_d min(1, P_c / P_d) = S
 
 
-def test_accepted_variance_matches_the_distribution_the_estimates_imply():
-    """Row b verifying n_b drafts accepts exactly j of them with probability q_{b,j} - q_{b,j+1} (q_{b,n_b+1} = 0):
-    the variance summed over rows equals that of that distribution, drafts beyond n_b ignored."""
-    generator = torch.Generator().manual_seed(0)
-    cumulative = torch.rand(6, 3, generator=generator, dtype=torch.float64).cumprod(1)
-    num_drafts = torch.tensor([0, 1, 2, 3, 3, 2])
-    variance = accepted_variance(cumulative, num_drafts)
-    expected_variance = 0.0
-    for q, n in zip(cumulative.tolist(), num_drafts.tolist()):
-        tail = q[:n] + [0.0]
-        chances = [1.0 - tail[0]] + [tail[j] - tail[j + 1] for j in range(n)]  # P(N = 0), .., P(N = n)
-        row_mean = sum(j * p for j, p in enumerate(chances))
-        expected_variance += sum(j * j * p for j, p in enumerate(chances)) - row_mean**2
-    assert variance == pytest.approx(expected_variance) and variance > 0
-    assert accepted_variance(cumulative, torch.zeros(6, dtype=torch.long)) == 0.0
-
-
 def test_observed_outcomes_follow_verification():
     observed, accepted = observed_outcomes(torch.tensor([0, 2, 3, 1]), torch.tensor([3, 3, 3, 0]), 3)
     assert observed.tolist() == [[True, False, False], [True, True, True], [True, True, True],
@@ -99,17 +81,17 @@ def test_observed_outcomes_follow_verification():
 
 
 def test_estimator_gives_cumulative_estimates_zero_without_drafts_and_counts_what_it_observes():
-    estimator = AcceptanceEstimator(AcceptanceTable("confidence", [uniform_edges(10)], num_slots=3))
+    estimator = AcceptanceEstimator(AcceptanceTable("confidence", [uniform_edges(10)], num_slots=3), "cpu")
     probs = torch.zeros(2, 3, 5)
     probs[..., 1] = 0.85
     probs[..., 2] = 0.15
     drafts = torch.ones(2, 3, dtype=torch.long)
     sources = torch.tensor([[DRAFTER, DRAFTER, LOOKUP], [DRAFTER, NO_DRAFT, NO_DRAFT]])
-    cumulative = estimator.estimate(probs, drafts, sources)
+    cumulative, features = estimator.estimate(probs, drafts, sources)
     # a looked-up draft is one-hot: confidence 1, whatever the network's distribution there (the top bin's 0.95)
     assert cumulative[0].tolist() == pytest.approx([0.85, 0.85**2, 0.85**2 * 0.95])
     assert cumulative[1].tolist() == pytest.approx([0.85, 0.0, 0.0])
-    estimator.observe(num_accepted=torch.tensor([1, 0]), num_drafts=torch.tensor([3, 1]))
+    estimator.observe(features, sources, num_accepted=torch.tensor([1, 0]), num_drafts=torch.tensor([3, 1]))
     assert float(estimator.table.trials.sum()) == 3  # row 0: slots 1 (accepted) and 2 (rejected); row 1: slot 1
     assert float(estimator.table.accepted.sum()) == 1
 

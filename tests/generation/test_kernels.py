@@ -135,8 +135,8 @@ def test_greedy_generation_with_triton_kernels_equals_generate(monkeypatch, kind
 
 def test_sampled_generation_is_the_same_with_either_backend(monkeypatch):
     """Sampling draws the same uniforms under both backends, so a seeded generate gives the same rows: the kernels
-    inherit the chi-square tests of the PyTorch path. The backend is passed to the call (`kernel_backend=`), and the
-    call's argument wins over the environment."""
+    inherit the chi-square tests of the PyTorch path. The backend is passed to the call (`kernel_backend`), and the
+    call's setting wins over the environment."""
     target = make_target("llama")
     drafter = make_drafter(target)
     input_ids, mask = make_batch(8, seed=2)
@@ -145,7 +145,8 @@ def test_sampled_generation_is_the_same_with_either_backend(monkeypatch):
     def run(backend):
         torch.manual_seed(5)
         return generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, do_sample=True,
-                        max_new_tokens=12, top_k=20, num_draft_tokens=3, schedule="fixed", kernel_backend=backend)
+                        max_new_tokens=12, top_k=20, speculation_config={"num_draft_tokens": 3, "schedule": "fixed",
+                                                                         "kernel_backend": backend})
 
     assert torch.equal(run("triton"), run("torch"))
     with pytest.raises(ValueError, match="kernel_backend='cuda-please'"):

@@ -35,5 +35,6 @@ def test_lora_target_greedy_equals_its_own_generate(kind, schedule):
         without_adapters = model.generate(**kwargs)
     assert not torch.equal(reference, without_adapters), "the adapters must change the output"
     drafter = make_drafter(model.get_base_model())
-    output = generate(model, assistant_model=drafter, schedule=schedule, step_costs=TEST_STEP_COSTS, **kwargs)
+    output = generate(model, assistant_model=drafter, **kwargs,
+                      speculation_config={"schedule": schedule, "step_costs": TEST_STEP_COSTS})
     assert torch.equal(output, reference)

@@ -25,7 +25,7 @@ PROPERTY_EXAMPLES = 400
 DRAFT_LENGTH = 4
 
 SCHEDULES = {
-    "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False),
+    "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS),
     "fixed": dict(schedule="fixed"),
     "threshold": dict(schedule="fixed", confidence_threshold=0.3),
 }
@@ -102,12 +102,11 @@ def test_greedy_speculation_equals_generate(case):
         num_draft_tokens = None
     else:
         assistant, num_draft_tokens = drafter, case["k"]
-    output = generate(
-        target, input_ids=input_ids, attention_mask=mask, assistant_model=assistant, num_draft_tokens=num_draft_tokens,
-        lookup_ngram_size=case["lookup_ngram_size"], compaction_hole_fraction=case["compaction_hole_fraction"],
-        suffix_index=case["suffix"], max_batch_size=case["max_batch_size"],
-        **SCHEDULES[case["schedule"]], **kwargs,
-    )
+    speculation = dict(num_draft_tokens=num_draft_tokens, lookup_ngram_size=case["lookup_ngram_size"],
+                       compaction_hole_fraction=case["compaction_hole_fraction"], suffix_index=case["suffix"],
+                       max_batch_size=case["max_batch_size"], **SCHEDULES[case["schedule"]])
+    output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=assistant,
+                      speculation_config=speculation, **kwargs)
     repeat = f"(repeat with --hypothesis-seed={hypothesis_core.global_force_seed})"
     assert output.shape == reference.shape, repeat
     mismatched = (output != reference).any(1).nonzero().flatten().tolist()

@@ -16,7 +16,6 @@ from scipy.stats import chi2
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hf_specformer import generate
-from hf_specformer.generation import scheduling
 
 VOCAB, NEW_TOKENS, SAMPLES, ALPHA = 12, 3, 30_000, 1e-3
 LOOKUP_PROMPT = [token for x in range(VOCAB) for token in (5, x)] + [5]  # holds the pad id 0: pass a mask
@@ -70,7 +69,6 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
      ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 5, "fixed"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 31, "threshold"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 17, "goodput"),
-     ({"temperature": 1.0}, None, [3, 7, 1, 5], 19, "goodput-padded"),
      ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 23, "goodput"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 41, "companion"),
      ({"temperature": 1.0}, None, [3, 7, 1, 5], 43, "goodput-feedback"),
@@ -79,29 +77,24 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
      ({"temperature": 1.0, "top_p": 0.8}, None, [3, 7, 1, 5], 59, "seeded"),
      ({"temperature": 0.8, "top_k": 5}, None, LOOKUP_PROMPT, 61, "seeded-goodput")],
     ids=["t1.0", "t0.8-topk5", "t1.0-topp0.8", "t1.0-draft-vocab", "t1.0-lookup", "t0.8-topk5-lookup",
-         "t1.0-threshold", "t1.0-goodput", "t1.0-goodput-padded", "t0.8-topk5-lookup-goodput",
+         "t1.0-threshold", "t1.0-goodput", "t0.8-topk5-lookup-goodput",
          "t1.0-goodput-companion", "t1.0-goodput-feedback", "t1.0-suffix-goodput",
          "t1.0-continuous-goodput", "t1.0-topp0.8-seeded", "t0.8-topk5-lookup-seeded-goodput"],
 )
-def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, schedule, monkeypatch):
+def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, prompt, seed, schedule):
     """`draft-vocab`: drafts come from half the vocabulary (q = 0 elsewhere); the residual covers the rest.
     `lookup`: the prompt holds "5 x" for every token x and ends with 5, so whatever token comes first, prompt
     lookup proposes one-hot drafts after it (checked). `threshold`: rows verify 1 to 3 of their drafts, by the
     drafts' cumulative probability (checked), so the token after a row's last verified draft is a bonus sample.
-    `goodput`: the goodput scheduler picks how many drafts each row verifies, 0 included, so rows of one packed
-    step verify different numbers (checked), and skips drafting when it does not pay; its signals read the sampled
-    drafts' distributions, not their tokens (reading the tokens failed this test at p < 1e-5 with the companion);
-    `goodput-padded`: one width per step, 0 (a plain sampled step) included (checked); `companion`: goodput with
+    `goodput`: the goodput scheduler picks how many drafts each row verifies, 0 included, and skips drafting when it
+    does not pay; its signals read the sampled drafts' distributions, not their tokens (reading the tokens failed
+    this test at p < 1e-5 with the companion); `companion`: goodput with
     SV's (S, A) signals from a companion; `goodput-feedback`: no step costs given, so each call runs a plain step
     first (checked), then verifies drafts and chooses from costs learnt from its own timings; `suffix`: goodput with
     suffix drafts, which each row takes from the other rows' samples, with their frequency as confidence (checked);
     `continuous`: 700 rows decoded at once, the others admitted as rows finish (checked); `seeded`: one sampling
     seed per row (Gumbel-max noise keyed by seed, position and token, verified greedily), a row's draws
     independent of the torch seed."""
-    # `goodput` and `suffix` check ragged packed steps: priced with its rectangle (`RECTANGLE_WEIGHT`), a step on
-    # these tiny costs gives every row the same count, so they price verified inputs only, as the scheduler did before
-    if schedule in ("goodput", "suffix"):
-        monkeypatch.setattr(scheduling, "RECTANGLE_WEIGHT", 0.0)
     target = sharp_target()
     drafter = make_drafter(target, draft_length=4).set_draft_vocab(draft_vocab)
     prompt = torch.tensor(prompt)
@@ -116,24 +109,21 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
             model.config.acceptance_table = optimistic_table("sv" if model is companion else "confidence")
     speculation = {
         "fixed": dict(schedule="fixed"), "threshold": dict(schedule="fixed", confidence_threshold=0.2),
-        "goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False),
-        "goodput-padded": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, packed_verification=False,
-                               cost_feedback=False),
-        "companion": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, companion_model=companion,
-                          cost_feedback=False),
-        "goodput-feedback": dict(schedule="goodput"),  # no costs: learnt from the call's own timed steps
-        "suffix": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False, suffix_index=True),
-        "continuous": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False, max_batch_size=700),
+        "goodput": dict(step_costs=TEST_STEP_COSTS),
+        "companion": dict(step_costs=TEST_STEP_COSTS),
+        "goodput-feedback": dict(),  # no costs: learnt from the call's own timed steps
+        "suffix": dict(step_costs=TEST_STEP_COSTS, suffix_index=True),
+        "continuous": dict(step_costs=TEST_STEP_COSTS, max_batch_size=700),
         "seeded": dict(schedule="fixed"),
-        "seeded-goodput": dict(schedule="goodput", step_costs=TEST_STEP_COSTS, cost_feedback=False),
+        "seeded-goodput": dict(step_costs=TEST_STEP_COSTS),
     }[schedule]
     rows, accepted, drafted = [], 0, 0
     for call in range(SAMPLES // 5000):  # batches of 5000 identical prompts (batch size > 1)
         seeds = {"sampling_seeds": list(range(5000 * call, 5000 * (call + 1)))} if "seeded" in schedule else {}
         out = generate(
             target, input_ids=prompt[None].repeat(5000, 1), attention_mask=torch.ones(5000, len(prompt)),
-            assistant_model=drafter, num_draft_tokens=3, generation_config=config, return_dict_in_generate=True,
-            **speculation, **seeds,
+            assistant_model=drafter, generation_config=config, return_dict_in_generate=True, companion_model=companion,
+            speculation_config={"num_draft_tokens": 3, **speculation}, **seeds,
         )
         rows.append(out.sequences[:, len(prompt):])
         stats = out.speculation_stats  # the last call's, after the loop
@@ -145,12 +135,8 @@ def test_joint_of_first_three_tokens_matches_target(sampling, draft_vocab, promp
     assert 0 < accepted < drafted, "the test needs both acceptances and rejections"
     if schedule == "threshold":
         assert 1.2 < stats.drafts_per_step < 2.8, stats.drafts_per_step
-    if schedule == "goodput" and prompt.tolist() != LOOKUP_PROMPT:  # lookup drafts stay accepted
-        assert stats.padding > 0, "rows of a packed step verify different numbers of drafts"
     if schedule == "goodput-feedback":  # a plain first step (what follows depends on the machine's timings)
         assert stats.width_counts[0] > 0, stats.width_counts
-    if schedule == "goodput-padded":
-        assert stats.width_counts[0] > 0 and sum(stats.width_counts[1:]) > 0, stats.width_counts
     if schedule == "continuous":
         assert stats.row_steps <= 700 * stats.steps, (stats.row_steps, stats.steps)
     if schedule == "suffix":
@@ -179,7 +165,8 @@ def test_several_return_sequences_keep_each_prompts_distribution():
     torch.manual_seed(2024)
     outputs = [
         generate(target, input_ids=prompts, attention_mask=torch.ones_like(prompts), assistant_model=drafter,
-                 num_draft_tokens=3, generation_config=config, schedule="fixed", return_dict_in_generate=True)
+                 generation_config=config, speculation_config={"num_draft_tokens": 3, "schedule": "fixed"},
+                 return_dict_in_generate=True)
         for _ in range(2)
     ]
     stats = outputs[-1].speculation_stats

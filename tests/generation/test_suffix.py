@@ -8,12 +8,7 @@ import torch
 from conftest import make_drafter, make_target
 from helpers import PAD, assert_same_as_generate, committed_batch, make_batch
 
-from hf_specformer import (
-    OracleProposer,
-    PromptLookupProposer,
-    SuffixIndex,
-    SuffixProposer,
-)
+from hf_specformer import OracleProposer, PromptLookupProposer, Proposal, Proposer, SuffixIndex, SuffixProposer
 from hf_specformer.generation.acceptance import (
     DRAFTER,
     LOOKUP,
@@ -92,20 +87,34 @@ def test_generated_rows_are_added_without_padding():
     assert index.text("cpu").tolist() == [5, 6, 7, 8, -1, 4, 5, 6, 7, 9, 9, -1]
 
 
+class NetworkOracle(Proposer):
+    """An oracle whose drafts come as one-hot network logits (where `draft`), as a drafter's would."""
+
+    def __init__(self, oracle: OracleProposer):
+        super().__init__(oracle.num_draft_tokens)
+        self.oracle = oracle
+
+    def propose(self, batch, step, caches, draft=True, free=True) -> Proposal:
+        if not draft:
+            return Proposal()
+        ids = self.oracle.draft_ids(batch)
+        logits = torch.full((*ids.shape, self.oracle.vocab_size), -torch.inf, dtype=torch.float64)
+        return Proposal(logits.scatter_(2, ids[..., None], 0.0))
+
+
 def test_prompt_lookup_goes_first_and_suffix_drafts_replace_only_weaker_network_drafts():
-    """Row 0: prompt lookup finds "5 6" -> 7 5 6, whose first draft the oracle drafts too. Row 1: suffix drafts 8 8
+    """Row 0: prompt lookup finds "5 6" -> 7 5 6, whose first draft the (network) oracle drafts too. Row 1: suffix drafts 8 8
     then a tie (the latest, 2), expected accepted 1 + 1 + 0.5, below the one-hot oracle's 3: they replace its drafts
     only in a step where it does not draft."""
     batch = committed_batch([[5, 6, 7, 5, 6], [1, 2, 3, 4]])
     oracle = OracleProposer(torch.tensor([[7] * 8, [11] * 8]), num_draft_tokens=3, vocab_size=16, pad_token_id=PAD)
     index = SuffixIndex()
     index.add([torch.tensor([5, 6, 9, 9, 9]), torch.tensor([3, 4, 8, 8, 8]), torch.tensor([3, 4, 8, 8, 2])])
-    proposer = SuffixProposer(PromptLookupProposer(oracle, max_ngram_size=3), index, min_ngram_size=2)
-    proposer.start(capacity=8)
-    inputs = (batch, None, torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long))
-    drafting = proposer.propose(*inputs)
+    proposer = SuffixProposer(PromptLookupProposer(NetworkOracle(oracle), max_ngram_size=3), index,
+                              min_ngram_size=2)
+    drafting = proposer.propose(batch, None, [])
     assert drafting.ids[0].tolist() == [7, 5, 6] and drafting.sources.tolist() == [[LOOKUP] * 3, [DRAFTER] * 3]
-    free = proposer.propose(*inputs, draft=False)
+    free = proposer.propose(batch, None, [], draft=False)
     assert free.ids.tolist() == [[7, 5, 6], [8, 8, 2]] and (free.sources == LOOKUP).all()
     torch.testing.assert_close(free.confidence.double(), torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.5]],
                                dtype=torch.float64))
@@ -115,12 +124,10 @@ def test_a_suffix_proposer_matches_4_grams_by_default():
     """Row 0's last 4 tokens occurred in the index (-> 9 9); row 1 shares only its last 3 with it: nothing."""
     index = SuffixIndex()
     index.add([torch.tensor([1, 2, 3, 4, 9, 9, 9])])
-    proposer = SuffixProposer(PromptLookupProposer(OracleProposer(torch.full((2, 8), 11), num_draft_tokens=2,
-                                                                  vocab_size=16, pad_token_id=PAD)), index)
-    proposer.start(capacity=8)
+    oracle = OracleProposer(torch.full((2, 8), 11), num_draft_tokens=2, vocab_size=16, pad_token_id=PAD)
+    proposer = SuffixProposer(PromptLookupProposer(NetworkOracle(oracle)), index)
     batch = committed_batch([[1, 2, 3, 4], [8, 2, 3, 4]])
-    inputs = (batch, None, torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long))
-    free = proposer.propose(*inputs, draft=False)
+    free = proposer.propose(batch, None, [], draft=False)
     assert free.ids[0].tolist() == [9, 9] and free.sources.tolist() == [[LOOKUP] * 2, [NO_DRAFT] * 2]
     with pytest.raises(ValueError, match="min_ngram_size"):
         SuffixProposer(proposer.proposer, index, max_ngram_size=3)
@@ -128,9 +135,9 @@ def test_a_suffix_proposer_matches_4_grams_by_default():
 
 def test_the_estimates_read_a_suffix_drafts_confidence():
     """Uncalibrated, a free draft's estimate is its bin's centre: frequency 0.15 is weighed far below 0.95."""
-    estimator = AcceptanceEstimator(AcceptanceTable("confidence", [uniform_edges(10)], num_slots=2))
+    estimator = AcceptanceEstimator(AcceptanceTable("confidence", [uniform_edges(10)], num_slots=2), "cpu")
     ids = torch.zeros(2, 2, dtype=torch.long)
-    q = estimator.estimate(None, ids, torch.full((2, 2), LOOKUP), fixed_confidence=torch.tensor(
+    q, _ = estimator.estimate(None, ids, torch.full((2, 2), LOOKUP), fixed_confidence=torch.tensor(
         [[0.15, 0.15], [0.95, 0.95]]))
     assert q[0].tolist() == pytest.approx([0.15, 0.15**2]) and q[1].tolist() == pytest.approx([0.95, 0.95**2])
 

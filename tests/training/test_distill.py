@@ -11,8 +11,8 @@ import torch
 from conftest import CHAT_PROMPTS, tiny_chat_target
 from datasets import load_from_disk
 
-from hf_specformer.batching import cut_after_eos
-from hf_specformer.prompts import (
+from hf_specformer.data.batching import cut_after_eos
+from hf_specformer.data.prompts import (
     chat_prompt_ids,
     find_shared_data,
     load_prompts,
@@ -20,7 +20,7 @@ from hf_specformer.prompts import (
     sharegpt_prompts,
     word_ngrams,
 )
-from hf_specformer.records import append_records, read_records
+from hf_specformer.data.records import append_records, read_records
 from hf_specformer.training.distill import distill
 from hf_specformer.training.data import load_distilled
 

@@ -467,7 +467,7 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path):
     repetitive_dataset(num_rows=10).save_to_disk(str(tmp_path / "data"))
     output_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "hf_specformer.train", "--target", str(tmp_path / "target"), "--data",
+        sys.executable, "-m", "hf_specformer.training.train_drafter", "--target", str(tmp_path / "target"), "--data",
         str(tmp_path / "data"), "--output-dir", str(output_dir), "--per-device-batch-size", "2", "--draft-length", "2",
         "--eval-fraction", "0.2", "--save-every", "0", "--num-threads", "1", "--positions-per-sequence", "4",
     ]
@@ -506,7 +506,7 @@ def test_accelerate_launch_two_processes(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(free_port()),
-        "-m", "hf_specformer.train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"),
+        "-m", "hf_specformer.training.train_drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"),
         "--output-dir", str(output_dir), "--max-steps", "2", "--per-device-batch-size", "2", "--draft-length", "2",
         "--eval-fraction", "0.2", "--save-every", "1", "--num-threads", "1", "--positions-per-sequence", "4",
     ]

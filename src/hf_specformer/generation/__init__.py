@@ -1,15 +1,16 @@
 """Batched, lossless speculative generation (shipped flattened as the drafter folder's `custom_generate/`)."""
 
-from .drafting import PromptLookupProposer, Proposal, Proposer, SpecFormerProposer
 from .engine import SpeculativeDecoderOnlyOutput, speculative_decode
 from .generate import generate
-from .linears import few_row_products
-from .oracle import OracleProposer
+from .proposers import OracleProposer, PromptLookupProposer, Proposal, Proposer, SpecFormerProposer, TargetStep
 from .requests import RequestOutput, generate_batch
-from .stats import SpecStats
+from .scheduler import StepCosts
+from .speculation import SpeculationConfig
+from .stats import FinishedRow, SpecStats
 from .suffix import SuffixIndex, SuffixProposer
 
 __all__ = [
+    "FinishedRow",
     "OracleProposer",
     "PromptLookupProposer",
     "Proposal",
@@ -17,10 +18,12 @@ __all__ = [
     "RequestOutput",
     "SpecFormerProposer",
     "SpecStats",
+    "SpeculationConfig",
     "SpeculativeDecoderOnlyOutput",
+    "StepCosts",
     "SuffixIndex",
     "SuffixProposer",
-    "few_row_products",
+    "TargetStep",
     "generate",
     "generate_batch",
     "speculative_decode",

@@ -13,9 +13,6 @@ def _yaml_results(lines: list[str]) -> str:
     return "".join("\n" + line for line in lines) if lines else " []"
 
 
-LOOKUP_SUFFIX = "+lookup"
-"""Suffix of a benchmark mode that runs a drafter with prompt lookup on top (`hf-specformer bench --lookup`)."""
-
 CARD_TEMPLATE = """---
 library_name: transformers
 pipeline_tag: text-generation
@@ -59,24 +56,18 @@ out = target.generate(**inputs, assistant_model=draft, custom_generate="<this re
 print(out.speculation_stats.tokens_per_step)
 ```
 
-New `generate` arguments: `assistant_model` (this drafter), `num_draft_tokens` (k <= l_d), `lookup_ngram_size`
-(prompt lookup on top of the drafter: where a row's last n tokens, n = 4 down to 2 by default, occurred earlier in
-the row, the tokens that followed them are the drafts unless the drafter is surer of another first draft; 0 turns it
-off), `schedule` (`"goodput"`, the default:
-Speculative Verification's goodput scheduler picks each step how many drafts to verify, 0 included, from
-acceptance estimates (this drafter's calibrated confidence table, in `config.json`) and step costs measured once on
-the running machine; each row verifies its own number of drafts in a packed step, whose linear layers compute
-only the inputs verified (`packed_verification=False`: padded steps of one width); a call where no step with
-drafts can pay runs plain decoding; `"fixed"`: verify k every step),
-`companion_model` (a Speculative Verification companion: its (S, A) signals replace the drafter's confidence),
-`suffix_index` (`True`: cross-request suffix drafts, where a row's last 4 tokens occurred in any row of the batch,
-their most frequent continuation, with its frequency as confidence; with the `hf-specformer` package, a
-`SuffixIndex` kept across calls adds earlier calls' prompts and outputs),
-`step_costs` (the scheduler's cost model, to override the measurement), `confidence_threshold` (with
-`schedule="fixed"`: a row verifies its drafts while their cumulative draft probability is at least this).
-Outputs are those of `generate`, plus `speculation_stats` (steps, tokens per step per row, acceptance per drafted
-position, widths chosen, predicted vs realised acceptance) when `return_dict_in_generate=True`. Not supported
-(clear errors): beam search, static/offloaded caches, output scores.
+New `generate` arguments: `assistant_model` (this drafter), `companion_model` (a Speculative Verification companion:
+its (S, A) signals replace the drafter's confidence), `speculation_config` (a dict: `num_draft_tokens` k <= l_d,
+`lookup_ngram_size` for prompt lookup on top of the drafter, 4 by default and 0 for off, `schedule` `"goodput"` (the
+default: the goodput scheduler picks each step how many drafts to verify, 0 included, from this drafter's calibrated
+confidence table and step costs learnt from the call's own steps) or `"fixed"`, `suffix_index=True` for suffix drafts
+across the batch's rows, `max_batch_size` for continuous batching), `sampling_seeds` (a sampled row's text depends
+only on its seed) and `row_finished` (a callback as each row ends). transformers' `num_assistant_tokens`,
+`prompt_lookup_num_tokens`, `max_matching_ngram_size`, `assistant_confidence_threshold` and
+`num_assistant_tokens_schedule` work too. Outputs are those of `generate`, plus `speculation_stats` (steps, tokens per
+step, acceptance per drafted position, widths chosen) when `return_dict_in_generate=True`. Not supported (clear
+errors): beam search, static/offloaded caches, output scores. On a CPU, `with hf_specformer.cpu_products(target,
+draft):` around the call (or plain `generate`) adds faster few-row products.
 
 {evaluation}
 {benchmark}
@@ -102,51 +93,41 @@ def _evaluation_section(eval_report: dict | None) -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", metrics
 
 
-def _benchmark_section(bench_report: dict | None, drafter_mode: str | None) -> tuple[str, list[str]]:
+def _benchmark_section(bench_report: dict | None, call: str | None) -> tuple[str, list[str]]:
+    """The speed table of a `hf-specformer bench` report: `call`'s rows (default: the first speculative call's)."""
     if not bench_report:
         return "", []
-    modes = None if drafter_mode is None else (drafter_mode, drafter_mode + LOOKUP_SUFFIX)
-    rows = [r for r in bench_report["results"] if modes is None or r["mode"] in modes]
-    lines = [
-        "## Measured speed (greedy, side by side with plain `generate`, same run)",
-        "",
-        f"Machine: {bench_report['machine']['platform']}, torch {bench_report['machine']['torch']}, "
-        f"{bench_report['machine']['threads']} threads; {bench_report['config']['max_new_tokens']} new tokens, "
-        f"k = {bench_report['config']['num_draft_tokens']}, confidence threshold "
-        f"{bench_report['config'].get('confidence_threshold', 0.0)}, "
-        f"prompts: {Path(bench_report['prompt_source']).name}.",
-        "",
-        "| batch | prompt lookup | plain tok/s | speculative tok/s | speedup | decode-phase speedup | kappa | "
-        "identical rows |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['batch_size']} | {'yes' if r['mode'].endswith(LOOKUP_SUFFIX) else 'no'} | "
-        f"{r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-        f"{r['decode_speedup']:.2f}x | {r['tokens_per_step']:.2f} | "
-        f"{r['num_batches'] * r['batch_size'] - r['mismatched_rows']}/{r['num_batches'] * r['batch_size']} |"
-        for r in rows
-    ]
-    metrics = [
-        _metric(f"speedup{'_lookup' if r['mode'].endswith(LOOKUP_SUFFIX) else ''}_bs{r['batch_size']}", r["speedup"],
-                "mt-bench")
-        for r in rows
-    ]
+    rows = bench_report["results"]
+    call = call or next(r["call"] for r in rows if "kappa" in r)
+    rows = [r for r in rows if r["call"] == call]
+    config, machine = bench_report["config"], bench_report["machine"]
+    cpu = "speedup_over_plain_cpu" in rows[0]
+    lines = ["## Measured speed (greedy, side by side with plain `generate`, same run)", "",
+             f"`{call}`; machine: {machine['platform']}, {machine.get('cpu', '')}, torch {machine['torch']}, "
+             f"{machine['threads']} threads; {config['max_new_tokens']} new tokens; prompts: "
+             f"{', '.join(config['prompts'])}.", "",
+             "| batch | tok/s | speedup over plain `generate` |" + (" over plain + CPU backend |" if cpu else "") +
+             " kappa | identical rows |",
+             "|---|---|---|" + ("---|" if cpu else "") + "---|---|"]
+    lines += [f"| {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" +
+              (f" {r['speedup_over_plain_cpu']:.2f}x |" if cpu else "") +
+              f" {r['kappa']:.2f} | {r['rows'] - r['mismatched_rows']}/{r['rows']} |" for r in rows]
+    metrics = [_metric(f"speedup_bs{r['batch_size']}", r["speedup"], "mt-bench") for r in rows]
     return "\n".join(lines) + "\n", metrics
 
 
 def render_card(drafter, eval_path: str | None = None, bench_path: str | None = None,
-                name: str = "specformer-smollm2-135m-instruct", drafter_mode: str | None = None) -> str:
+                name: str = "specformer-smollm2-135m-instruct", bench_call: str | None = None) -> str:
     """Markdown model card with YAML metadata (`base_model`, tags, a `model-index` of measured figures).
 
-    `drafter_mode` picks the benchmark rows to report (a mode name of the benchmark JSON, reported with and without
-    prompt lookup); default: all.
+    `bench_call` picks the benchmark rows to report (a call of the `hf-specformer bench` report, e.g.
+    `ours [goodput]`); default: its first speculative call.
     """
     config = drafter.config
     eval_report = json.loads(Path(eval_path).read_text()) if eval_path else None
     bench_report = json.loads(Path(bench_path).read_text()) if bench_path else None
     evaluation, eval_metrics = _evaluation_section(eval_report)
-    benchmark, bench_metrics = _benchmark_section(bench_report, drafter_mode)
+    benchmark, bench_metrics = _benchmark_section(bench_report, bench_call)
     results = _yaml_results(eval_metrics + bench_metrics)
     draft_vocab = f"the whole vocabulary ({config.vocab_size} tokens)" if config.draft_vocab_size is None else (
         f"{config.draft_vocab_size} tokens (the most frequent reply tokens of the distilled data: the draft head reads "

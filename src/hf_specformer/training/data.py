@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from hf_specformer.records import DATASET_DIR, PROGRESS_DIR
-from hf_specformer.records import read_all_records
+from hf_specformer.data.records import DATASET_DIR, PROGRESS_DIR
+from hf_specformer.data.records import read_all_records
 
 
 def load_distilled(path: str | os.PathLike) -> Dataset:

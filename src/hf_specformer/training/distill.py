@@ -1,7 +1,7 @@
 """Self-distillation data: the target answers a prompt set itself (greedy decoding), and we keep its answers.
 
 A drafter trained on these answers learns the target's own distribution, which is what speculative decoding
-rewards. This is the batch-generation job (`hf_specformer.batch_generation`) with distillation's settings: greedy,
+rewards. This is the batch job's answering (`hf_specformer.data.answering`) with distillation's settings: greedy,
 chat template, prompts shuffled with `--seed` (so `--limit` takes a sample of every part of the set), plain
 `generate` unless `--drafter` (speculation is lossless, so a drafter only makes it faster: with the shipped
 drafter for SmolLM2, or a first drafter when distilling more data for a second one). Resumable and sharded under
@@ -19,16 +19,15 @@ import os
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_specformer.batch_generation import (
+from hf_specformer.data.answering import (
     GenerationSettings,
     add_length_arguments,
     add_prompt_arguments,
     generate_dataset,
     process_state,
 )
-from hf_specformer.generation.speculation import LOOKUP_NGRAM_SIZE
-from hf_specformer.prompts import load_prompts
-from hf_specformer.records import DATASET_DIR
+from hf_specformer.data.prompts import load_prompts
+from hf_specformer.data.records import DATASET_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ def distill(
     """
     settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size,
                                   max_prompt_tokens=max_prompt_tokens)
-    speculation = None if drafter is None else {"assistant_model": drafter, "lookup_ngram_size": LOOKUP_NGRAM_SIZE}
+    speculation = None if drafter is None else {"assistant_model": drafter}  # with prompt lookup, by default
     return generate_dataset(target, tokenizer, prompts, output_dir, settings, speculation=speculation,
                             progress=progress, description="distill")
 
@@ -75,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `hf-specformer distill`: loads prompts and target, then runs `distill`."""
-    from hf_specformer.shipped_models import load_drafter
+    from hf_specformer.targets import load_drafter
     from hf_specformer.targets import target_from_args
 
     args = parse_args(argv)

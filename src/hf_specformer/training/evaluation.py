@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from hf_specformer.generation.drafting import ngram_lookup
+from hf_specformer.generation.proposers import ngram_lookup
 from hf_specformer.models.specformer import SpecFormerForDrafting
 from hf_specformer.training.target_states import next_token_ids, target_hidden_states
 
@@ -59,7 +59,7 @@ def lookup_candidates(tokens: torch.Tensor, start: int, count: int, k: int,
                       ngram_sizes: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prompt lookup's drafts at the positions t = start .. start + count - 1 of a sequence `tokens` `[L]`, whose
     committed prefix there ends with the target's token x_{t+1} (as a drafter's slot j guesses x_{t+2+j}): for each n
-    in `ngram_sizes`, the drafts of an n-gram match alone (`generation.drafting.ngram_lookup`, the engine's own
+    in `ngram_sizes`, the drafts of an n-gram match alone (`generation.proposers.ngram_lookup`, the engine's own
     matching), as (ids `[count, k]`, found `[count, k]`)."""
     prefix = torch.arange(start + 2, start + 2 + count, device=tokens.device)
     rows = tokens[None].expand(count, -1)
@@ -71,7 +71,7 @@ def best_of_lookup_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int,
     """Teacher-forced steps (as `acceptance_steps`) where each step takes whichever accepts most: the drafter's k
     drafts `drafts` `[P, >= k]`, or prompt lookup's at one n of `ngram_sizes` (`lookup_candidates`; slots past the
     match keep the drafter's, as at run time). A perfect per-step choice between the two sources, against the rule
-    that chooses at run time (`generation.drafting.lookup_overrides`), so a gap to a target is told apart as the
+    that chooses at run time (`generation.proposers.PromptLookupProposer`), so a gap to a target is told apart as the
     rule's or the sources'. (Greedy per step, so not a strict bound: a shorter step can land on a better position.)"""
     drafts = drafts[:, :k]
     chains = [drafts] + [torch.where(found, ids, drafts)

@@ -29,9 +29,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_specformer.batching import batch_seed, cut_after_eos, eos_token_ids
-from hf_specformer.prompts import load_prompts
-from hf_specformer.records import (
+from hf_specformer.data.batching import batch_seed, cut_after_eos, eos_token_ids
+from hf_specformer.data.prompts import load_prompts
+from hf_specformer.data.records import (
     append_records,
     check_or_write_meta,
     prompts_sha256,

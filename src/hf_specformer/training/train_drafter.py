@@ -22,8 +22,8 @@ The parts live beside this file: `config.py` (the options), `data.py` (data, spl
 next-token rule), `evaluation.py` (kappa), `checkpointing.py`; here: the drafter, the optimiser, the schedule and
 the loop.
 
-    python -m hf_specformer.train --data /work/distill_smollm2 --output-dir runs/smollm2
-    accelerate launch -m hf_specformer.train --data ... --output-dir ...      # several processes (DDP)
+    python -m hf_specformer.training.train_drafter --data /work/distill_smollm2 --output-dir runs/smollm2
+    accelerate launch -m hf_specformer.training.train_drafter --data ... --output-dir ...      # several processes (DDP)
 """
 
 from __future__ import annotations
@@ -423,8 +423,12 @@ def parse_config(argv: list[str] | None = None) -> DrafterTrainingConfig:
 
 
 def main(argv: list[str] | None = None) -> TrainingResult:
-    """Entry point of `python -m hf_specformer.train` and `accelerate launch -m hf_specformer.train`."""
+    """Entry point of `hf-specformer train` and `accelerate launch -m hf_specformer.training.train_drafter`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result = train(parse_config(argv))
     end_process_group()
     return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,14 @@
 """`generate_batch`: many requests in one speculative call with continuous batching, one output per request.
 
-transformers' `model.generate_batch(inputs, generation_config)` keeps its slots busy (continuous batching, paged
-cache) but takes no assistant model. This takes the same inputs (token-id lists of any lengths) and runs them through
-speculative `generate` with `max_batch_size` slots: at most that many rows decode at once, and waiting requests are
-admitted as others finish (`admission.py`). Each request's output is ready, and handed to `on_output`, the step it
-finishes (`finishing.py`). Greedy outputs equal plain `generate`'s for each prompt.
+transformers' `model.generate_batch(inputs, generation_config)` keeps its slots busy but takes no assistant model.
+This takes the same inputs (token-id lists of any lengths) and runs them through speculative `generate` with
+`max_batch_size` slots: waiting requests are admitted as others finish, and each request's output is handed to
+`on_output` the step it finishes. Greedy outputs equal plain `generate`'s for each prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +17,10 @@ import torch
 from transformers.utils.logging import tqdm
 from transformers import GenerationConfig
 
-from .drafting import NoDrafts
-from .finishing import FinishedRow
 from .generate import generate
+from .proposers import NoDrafts
+from .speculation import SpeculationConfig
+from .stats import FinishedRow
 from .validation import max_new_tokens, resolved_config, resolved_pad_token_id
 
 FINISH_REASONS = ("eos", "length", "stop")
@@ -86,14 +87,15 @@ def generate_batch(
     progress_bar: bool = True,
     on_output: Callable[[int, RequestOutput], None] | None = None,
     seeds: list[int] | None = None,
+    speculation_config: SpeculationConfig | dict | None = None,
     **kwargs,
 ) -> list[RequestOutput]:
     """Speculative generation for `inputs` (token-id lists), `max_batch_size` rows at a time with continuous
     batching; `assistant_model` and `kwargs` as `hf_specformer.generate` takes them (no `assistant_model`: plain
     decoding steps, still with continuous batching). Shows a progress bar (requests,
     tokens/s, kappa) unless `progress_bar` is False; `on_output(index, output)` is called as each request finishes.
-    `memory_budget=` (bytes, in `kwargs`) caps the slots at as many as fit in it (`max_batch_size=None`: the budget
-    alone sets them).
+    `speculation_config` as `generate` takes it; its `memory_budget` caps the slots at as many as fit
+    (`max_batch_size=None`: the budget alone sets them).
     `seeds` (one int per request, with `do_sample=True`): a sampled request's text depends only on its own seed,
     not on the requests it shares the slots with (`seeding.py`). Returns one `RequestOutput` per request, in input
     order."""
@@ -108,10 +110,13 @@ def generate_batch(
     eos = config.eos_token_id
     eos = set() if eos is None else set(eos) if isinstance(eos, list) else {eos}
     progress = _Progress(inputs, eos, max_new_tokens(config, width), progress_bar, on_output)
+    speculation = SpeculationConfig(**speculation_config) if isinstance(speculation_config, dict) \
+        else speculation_config or SpeculationConfig()
+    speculation = dataclasses.replace(speculation, max_batch_size=max_batch_size)
     try:
         generate(model, input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
                  assistant_model=NoDrafts() if assistant_model is None else assistant_model,
-                 max_batch_size=max_batch_size, row_finished=progress, sampling_seeds=seeds,
+                 speculation_config=speculation, row_finished=progress, sampling_seeds=seeds,
                  **{**kwargs, "pad_token_id": pad})
     finally:
         progress.bar.close()

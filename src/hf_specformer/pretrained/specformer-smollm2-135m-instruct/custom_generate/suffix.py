@@ -1,29 +1,12 @@
 """Cross-request suffix drafts (SuffixDecoding, arXiv 2411.04975; vLLM's `suffix` method), on the device.
 
-Where a row's last n committed tokens occurred before, in earlier requests' prompts and outputs (a `SuffixIndex`)
-or in any row of the batch, what followed them is a draft, scored by how often it followed: of the latest
-occurrences of the n-gram, the share whose continuation agrees with the draft up to slot j is slot j's confidence.
-The goodput scheduler reads that confidence like a drafter's (`acceptance.draft_features`), so a draft that
-followed its context once in ten is weighed as such, and one that always followed as nearly certain.
-
-Choices where the paper is silent or this engine differs:
-- The paper keeps suffix trees on the host. Here matching runs on the drafts' device over n-gram hashes (longest n
-  first, `max_ngram_size` down to `min_ngram_size`), so it adds no host read to a step.
-- Only n-grams of `MIN_NGRAM_SIZE` (4) tokens or more are matched by default (prompt lookup within a row matches
-  down to 2): measured, see there.
-- Frequencies are counted among the latest `max_candidates` occurrences of the matched n-gram (the paper counts
-  every occurrence in its tree): a bounded, recency-weighted count. The draft is the occurrence whose continuation
-  agrees with most others over the k slots (the paper's greedy path through its tree, for one path).
-- A slot is proposed while its confidence is at least `min_confidence` (vLLM's `suffix_decoding_min_token_prob`,
-  0.1 by default there too); the drafter's drafts fill the rest.
-- Where the drafter drafted too, a row takes the suffix drafts only if more of them are expected accepted than of
-  the drafter's (sum over slots of the running product of confidences; the drafter's from its own probabilities):
-  without it, a common bigram's weak continuation replaced better drafter drafts (measured: MT-bench, 45 prompts,
-  B = 1, k = 3, with prompt lookup: kappa 1.69 with suffix drafts against 1.71 without).
-- Hash collisions can only propose a wrong draft, which verification rejects: output stays lossless.
-- Memory is bounded by `SuffixIndex.max_tokens`; the oldest sequences go first.
-
-Bundled into `custom_generate/`: torch only.
+Where a row's last n committed tokens occurred before, in earlier requests (a `SuffixIndex`) or in any row of the
+batch, what followed them is a draft; of the latest `max_candidates` occurrences, the share whose continuation agrees
+with the draft up to slot j is slot j's confidence, which the goodput scheduler reads like a drafter's. Matching runs
+over n-gram hashes on the drafts' device (no host read); a hash collision can only propose a wrong draft, which
+verification rejects. Slots are proposed while their confidence is at least `min_confidence` (vLLM's default 0.1);
+where the drafter drafted too, a row takes the suffix drafts only if more of them are expected accepted. Memory is
+bounded by `SuffixIndex.max_tokens`, the oldest sequences going first.
 """
 
 from __future__ import annotations
@@ -34,9 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from .acceptance import DRAFTER, LOOKUP, NO_DRAFT
+from .acceptance import LOOKUP
 from .batch import RaggedBatch
-from .drafting import Proposal, Proposer, WrappingProposer, network_confidence
+from .proposers import Proposal, Proposer, WrappingProposer, network_confidence
 
 SEPARATOR = -1
 """Token id that ends every sequence of the matched text (never matched, never a draft)."""
@@ -48,12 +31,8 @@ UNMATCHED = -(1 << 63)
 """Hash given to n-grams that nothing follows (a pattern hashing to it finds only those, which are unusable)."""
 
 MIN_NGRAM_SIZE = 4
-"""Shortest n-gram a `SuffixProposer` matches by default. Measured teacher-forced on SmolLM2's greedy MT-bench answers
-(shipped drafter, k = 3, prompt lookup first, an index of 1.3M tokens of the target's answers to the GPU round's
-training prompts): kappa 1.872 without suffix drafts, 1.875 matching n = 6 down to 2, 1.898 with n = 4 alone (held-out
-chat answers: 2.336, 2.293, 2.342). A short n-gram followed by many things across requests drafts what happened to
-follow it most often, which the drafter already knows better.
-"""
+"""Shortest n-gram matched by default: a short n-gram followed by many things across requests drafts what
+happened to follow it most often, which the drafter knows better (docs/log.md, suffix drafts)."""
 
 MAX_INDEX_TOKENS = 65536
 """Default cap of a `SuffixIndex`, in tokens (each call sorts the index's n-grams once, O(M log M); a step's matching
@@ -227,14 +206,13 @@ def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:
 
 
 class SuffixProposer(WrappingProposer):
-    """Another proposer's drafts, replaced by suffix drafts (`suffix_drafts`) where those are found, with their
-    frequency as confidence (`Proposal.confidence`). Where the wrapped proposal already holds free drafts (prompt
-    lookup), those stay.
+    """Another proposer's drafts, replaced by suffix drafts (`suffix_drafts`) with their frequency as confidence,
+    in rows where the wrapped proposal has no fixed drafts.
 
     Args:
         proposer: the proposer whose drafts are used where no suffix draft is found.
         index: earlier requests to match against (the batch's own rows are always matched).
-        max_ngram_size, min_ngram_size: the longest and shortest n-grams matched (see `MIN_NGRAM_SIZE`).
+        max_ngram_size, min_ngram_size: the longest and shortest n-grams matched.
         max_candidates, min_confidence: see `suffix_drafts`.
     """
 
@@ -244,36 +222,25 @@ class SuffixProposer(WrappingProposer):
         if not 2 <= min_ngram_size <= max_ngram_size:
             raise ValueError(f"The n-grams matched must have 2 <= min_ngram_size ({min_ngram_size}) <= max_ngram_size "
                              f"({max_ngram_size}).")
-        self.index = index
-        self.max_ngram_size = max_ngram_size
-        self.min_ngram_size = min_ngram_size
-        self.max_candidates = max_candidates
-        self.min_confidence = min_confidence
-        self._index: tuple[torch.LongTensor, dict[int, SortedNgrams]] | None = None
+        self.index, self.max_candidates, self.min_confidence = index, max_candidates, min_confidence
+        self.max_ngram_size, self.min_ngram_size = max_ngram_size, min_ngram_size
+        self._sorted: tuple[torch.LongTensor, dict[int, SortedNgrams]] | None = None  # built at the first call
 
-    def start(self, capacity: int) -> None:
-        self._index = None  # the index may have grown since the last call
-        super().start(capacity)
-
-    def propose(self, batch, hidden_states, position_ids, source_index, draft=True) -> Proposal:
-        """The wrapped proposal, with suffix drafts in rows where it has no free draft, one is found, and (where the
-        network drafted) more of them are expected accepted than of the network's."""
-        proposal = self.proposer.propose(batch, hidden_states, position_ids, source_index, draft)
-        if self._index is None:  # sorted once per call
+    def propose(self, batch, step, caches, draft=True, free=True) -> Proposal:
+        proposal = self.proposer.propose(batch, step, caches, draft, free)
+        if not free:
+            return proposal
+        if self._sorted is None:
             text = self.index.text(batch.tokens.device)
-            sizes = range(self.min_ngram_size, self.max_ngram_size + 1)
-            self._index = text, {n: sorted_ngrams(text, n) for n in sizes}
-        ids, found, confidence = suffix_drafts(
-            batch, *self._index, self.num_draft_tokens, self.max_ngram_size, self.max_candidates, self.min_confidence,
-            self.min_ngram_size,
-        )
+            self._sorted = text, {n: sorted_ngrams(text, n) for n in range(self.min_ngram_size, self.max_ngram_size + 1)}
+        ids, found, confidence = suffix_drafts(batch, *self._sorted, self.num_draft_tokens, self.max_ngram_size,
+                                               self.max_candidates, self.min_confidence, self.min_ngram_size)
         if proposal.drafted:
             network = expected_accepted(network_confidence(proposal.logits))
             found &= (expected_accepted(confidence * found) > network)[:, None]
-        sources = proposal.sources if proposal.sources is not None else torch.full_like(
-            ids, DRAFTER if proposal.drafted else NO_DRAFT)
+        sources = proposal.row_sources(ids.shape, ids.device)
         if proposal.ids is not None:
-            kept = (sources == LOOKUP)[:, :1]  # a row with free drafts keeps them
+            kept = (sources == LOOKUP)[:, :1]  # a row with fixed drafts keeps them
             ids = torch.where(kept, proposal.ids, ids)
             found = torch.where(kept, sources == LOOKUP, found)
             confidence = torch.where(kept, proposal.fixed_confidence(), confidence)

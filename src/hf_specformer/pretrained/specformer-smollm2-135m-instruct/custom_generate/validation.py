@@ -1,15 +1,11 @@
-"""Checks of a speculative `generate` call, run before any work: every input that plain `generate` would reject deep
-inside (torch's `IndexError`s), silently mis-generate (right padding, a mask of another shape) or that speculation
-cannot serve exactly (beam search, stateful processors, sliding-window caches it would change) gets a `ValueError`
-or `TypeError` that says what to fix.
+"""Checks of a speculative `generate` call, run before any work: every input that plain `generate` would reject
+deep inside, silently mis-generate (right padding, a mask of another shape) or that speculation cannot serve exactly
+(beam search, stateful processors, caches it would change) gets an error that says what to fix.
 
-Sliding-window and hybrid targets: the engine's cache keeps holes (columns of rejected drafts, masked), so a window
-counted in cache columns would see fewer tokens than plain decoding's window, and transformers' sliding cache layers
-drop columns the engine still indexes. A target with sliding-window layers is therefore served only when the window
-can never bite: prompt width + max_new_tokens * (k + 1) cache columns (each step adds at most k + 1) fit in the
-window minus one (what `DynamicSlidingWindowLayer` keeps). Then every query attends to its whole prefix, as in plain
-decoding of that length. Targets with other layer kinds (linear attention, convolutions, recurrent states) are
-rejected: their state cannot be rolled back past rejected drafts.
+Sliding-window targets: the engine's cache keeps holes (masked columns of rejected drafts), so a window counted in
+columns would see fewer tokens than plain decoding's. Such a target is served only while the window can never bite:
+prompt width + max_new_tokens * (k + 1) columns fit in the window minus one. Targets with other layer kinds (linear
+attention, convolutions, recurrent states) are rejected: their state cannot be rolled back past rejected drafts.
 """
 
 from __future__ import annotations

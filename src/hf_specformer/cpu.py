@@ -1,0 +1,158 @@
+"""CPU products: faster few-row linear layers, packed inputs and grouped-query attention, for a whole call.
+
+    with hf_specformer.cpu_products(target, drafter):
+        target.generate(**inputs)                                   # plain decoding gains too
+        hf_specformer.generate(target, **inputs, assistant_model=drafter)
+
+Decoding feeds few rows through every linear layer. For so few rows MKL computes `x @ W^T` (what `nn.Linear` asks
+for) with a packing pass over the whole weight on every call, while `W @ x^T` streams it once: faster from 2 up to
+`FEW_ROWS` rows (`FEW_HEAD_ROWS` for the vocabulary-sized head). Inputs whose attention-mask column is 0 (a
+prefill's left padding, the drafts a step does not verify) are never read, so the linear layers skip them (Speculative
+Verification's packed verification, arXiv 2509.24328 section 6): under the causal mask no kept input attends to
+them. Masked grouped-query attention runs without copying the key/value heads (`transformers` repeats them), and a
+few queries per row are packed per key/value head. Outputs equal the models' own up to summation order. Only plain
+`nn.Linear` layers with float32/float64 weights on the CPU change; everything is restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+FEW_ROWS = 32
+"""Up to this many input rows (leading dimensions flattened) a linear layer runs as W @ x^T."""
+
+FEW_HEAD_ROWS = 128
+"""The same bound for the target's output layer, whose weight is the vocabulary's."""
+
+PACKED_QUERY_LIMIT = 8
+"""Up to this many queries per row, each key/value head's queries are packed into one sequence."""
+
+GQA_SDPA = "hf_specformer_gqa_sdpa"
+"""The name the attention function is registered under with `transformers`' attention and mask interfaces."""
+
+
+def padded_rows(rows: int) -> int:
+    """Rows a few-row product computes: zero rows are added where MKL's W @ x^T is cheaper with them (1 -> 2, 3 ->
+    4, 7 -> 8, beyond 8 the next multiple of 8; docs/log.md, few-row products)."""
+    return -(-rows // 8) * 8 if rows > 8 else {1: 2, 3: 4, 7: 8}.get(rows, rows)
+
+
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` as `(W @ x^T)^T` over `padded_rows` rows: `[..., d_in]` -> `[..., d_out]`."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    if padded_rows(count) > count:
+        rows = torch.cat([rows, rows.new_zeros(padded_rows(count) - count, rows.shape[1])])
+    product = torch.mm(weight, rows.T) if bias is None else torch.addmm(bias[:, None], weight, rows.T)
+    product = product[:, :count]
+    # NumPy transposes a tall, narrow matrix several times faster than torch's copy kernel
+    transposed = product.T.contiguous() if product.requires_grad else torch.from_numpy(
+        np.ascontiguousarray(product.numpy().T))
+    return transposed.view(*x.shape[:-1], weight.shape[0])
+
+
+def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                               **kwargs):
+    """`sdpa_attention_forward` with masked grouped-query attention on the CPU: query `[B, H, T, D]`, key and value
+    `[B, H_kv, S, D]`, mask `[B, 1, T, S]` -> `[B, T, H, D]`."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    delegated = any(kwargs.get(name) for name in ("softcap", "position_bias", "output_attentions"))
+    if groups == 1 or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu" or delegated:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    batch, heads, length, head_dim = query.shape
+    if length <= PACKED_QUERY_LIMIT and attention_mask.shape[1] == 1:
+        packed = query.reshape(batch, heads // groups, groups * length, head_dim)  # head h = g * groups + r
+        output = torch.nn.functional.scaled_dot_product_attention(
+            packed, key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling)
+        output = output.view(batch, heads, length, head_dim)
+    else:
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
+AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+
+
+class _Products:
+    """The linear layers of the models, switched for the block (see `cpu_products`)."""
+
+    def __init__(self, models):
+        heads = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
+        modules = [*models, *(m.draft_head() for m in models if getattr(m, "is_bound", False) and hasattr(m, "draft_head"))]
+        self.layers = list({id(m): m for model in modules for m in model.modules() if isinstance(m, nn.Linear)}.values())
+        self.max_rows = [(FEW_HEAD_ROWS if id(layer) in heads else FEW_ROWS) if _takes_few_rows(layer) else 0
+                         for layer in self.layers]
+        self.packing: tuple[torch.Size, torch.LongTensor] | None = None  # (inputs [B, T], kept flat index)
+
+    def forward(self, layer: nn.Linear, inner, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packing is not None and x.shape[:-1] == self.packing[0]:
+            shape, index = self.packing
+            kept = self.product(layer, inner, max_rows, x.reshape(-1, x.shape[-1]).index_select(0, index))
+            return kept.new_zeros(shape.numel(), kept.shape[-1]).index_copy_(0, index, kept).view(*shape, -1)
+        return self.product(layer, inner, max_rows, x)
+
+    @staticmethod
+    def product(layer: nn.Linear, inner, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+        if max_rows and x.numel() <= max_rows * x.shape[-1]:
+            return transposed_linear(x, layer.weight, layer.bias)
+        return inner(x)
+
+    def start_packing(self, module, args, kwargs) -> None:
+        """A model's forward pre-hook: pack the inputs whose own mask column is 0."""
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if ids is None or mask is None or mask.dim() != 2 or mask.device.type != "cpu":
+            return
+        kept = mask[:, -ids.shape[1]:].bool()
+        if not bool(kept.all()):
+            self.packing = (ids.shape, kept.flatten().nonzero().squeeze(1))
+
+    def stop_packing(self, *args) -> None:
+        self.packing = None
+
+
+def _takes_few_rows(layer: nn.Linear) -> bool:
+    return type(layer) is nn.Linear and layer.weight.device.type == "cpu" and \
+        layer.weight.dtype in (torch.float32, torch.float64) and "forward" not in layer.__dict__
+
+
+@contextlib.contextmanager
+def cpu_products(*models: nn.Module):
+    """Inside the block, the CPU models among `models` (a target and its drafter or companion) run their few-row
+    linear layers as W @ x^T, skip masked inputs, and their `sdpa` attention as masked grouped-query attention (see
+    the module docstring); models elsewhere are left alone."""
+    models = [model for model in models if next(model.parameters()).device.type == "cpu"]
+    products, own, handles = _Products(models), [], []
+    switched = [m for m in models if getattr(m.config, "_attn_implementation", None) == "sdpa"
+                and hasattr(m, "set_attn_implementation")]
+    try:
+        for layer, max_rows in zip(products.layers, products.max_rows):
+            own.append(layer.__dict__.get("forward"))
+            inner = own[-1] if own[-1] is not None else partial(type(layer).forward, layer)
+            layer.__dict__["forward"] = partial(products.forward, layer, inner, max_rows)
+        for model in models:
+            handles.append(model.register_forward_pre_hook(products.start_packing, with_kwargs=True))
+            handles.append(model.register_forward_hook(products.stop_packing))
+        for model in switched:
+            model.set_attn_implementation(GQA_SDPA)
+        yield
+    finally:
+        for model in switched:
+            model.set_attn_implementation("sdpa")
+        for handle in handles:
+            handle.remove()
+        for layer, forward in zip(products.layers, own):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.__dict__["forward"] = forward

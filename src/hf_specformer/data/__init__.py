@@ -1,0 +1,1 @@
+"""Prompt sets, prompt batches, resumable records, and answering a prompt set with a target."""

@@ -1,0 +1,174 @@
+"""From scores to committed tokens: logits processing over ragged prefixes, token choice, committing and stopping.
+
+- `RaggedLogitsProcessor`: `generate`'s processors see a row's exact prefix, and some read it (repetition penalty,
+  min-new-tokens). A drafted position j of row b has its own prefix (committed tokens and drafts 1..j-1), so it is
+  processed with `tokens[b, :prefix[b] + j]`, in calls over all B0 rows in their original order (processors may
+  keep per-row state). Processors that never read the prefix run once over every position.
+- `TokenSelector`: argmax, a sample from torch's generator, or a *seeded* sample that depends only on the row's seed,
+  prompt and the model: Gumbel-max with noise keyed by (seed, generated position, token) from a counter-based hash.
+  The noise of a position is fixed before any draft is seen, so verification is greedy against the perturbed
+  scores and the text is the same whatever was drafted or batched. Uniforms have 24 bits.
+- `Committer`: appends committed tokens, cutting rows at EOS, `max_new_tokens` and other stopping criteria at
+  exactly the token where plain `generate` stops.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation import logits_process as lp
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .batch import RaggedBatch
+
+PREFIX_FREE_PROCESSORS = (lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.MinPLogitsWarper, lp.TopKLogitsWarper,
+                          lp.SuppressTokensLogitsProcessor, lp.TemperatureLogitsWarper, lp.TopPLogitsWarper,
+                          lp.TypicalLogitsWarper)
+"""Processors that never read `input_ids`: they run once over all positions."""
+
+LENGTH_PROCESSORS = (lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor)
+"""Processors that read only the prefix's length (they block EOS below it): applied first, vectorised over all
+positions (every other processor leaves a blocked -inf at -inf, and warpers come after them in `generate`)."""
+
+_GOLDEN, _MIX_1, _MIX_2 = -7046029254386353131, -4658895280553007687, -7723592293110705685  # SplitMix64's, as int64
+
+
+class RaggedLogitsProcessor:
+    """Applies processors to `[B, T, V]` logits whose position j of row b has prefix length `prefix[b] + j`."""
+
+    def __init__(self, logits_processor):
+        processors = list(logits_processor or [])
+        self.min_lengths = [(p.min_length if isinstance(p, lp.MinLengthLogitsProcessor) else
+                             p.prompt_length_to_skip + p.min_new_tokens, p.eos_token_id)
+                            for p in processors if isinstance(p, LENGTH_PROCESSORS)]  # (the length below it, EOS)
+        self.processors = [p for p in processors if not isinstance(p, LENGTH_PROCESSORS)]
+        self.reads_prefix = any(not isinstance(p, PREFIX_FREE_PROCESSORS) for p in self.processors)
+
+    def __call__(self, batch: RaggedBatch, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """logits `[B, T, V]` -> processed float32 scores `[B, T, V]`; `offset` shifts every prefix."""
+        scores = logits.to(dtype=torch.float32, copy=bool(self.processors or self.min_lengths))
+        if self.min_lengths:
+            lengths = batch.prefix_lengths()[:, None] + offset + torch.arange(scores.shape[1], device=scores.device)
+            for min_length, eos in self.min_lengths:
+                eos = eos.to(scores.device)
+                scores[..., eos] = scores[..., eos].masked_fill((lengths < min_length)[..., None], -torch.inf)
+        if not self.processors:
+            return scores
+        batch_size, num_positions, vocab = scores.shape
+        if not self.reads_prefix:
+            dummy_ids = batch.tokens[:1, :1].expand(batch_size * num_positions, 1)
+            return self._apply(dummy_ids, scores.view(-1, vocab)).view(batch_size, num_positions, vocab)
+        prefix = batch.prefix_lengths() + offset
+        all_rows = scores.new_zeros(batch.tokens.shape[0], vocab)
+        for length in prefix.unique().tolist():
+            rows = (prefix == length).nonzero().squeeze(1)
+            token_rows = batch.row_ids[rows]
+            for j in range(num_positions):
+                all_rows[token_rows] = scores[rows, j]
+                scores[rows, j] = self._apply(batch.tokens[:, : length + j], all_rows)[token_rows]
+        return scores
+
+    def _apply(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        for processor in self.processors:  # not LogitsProcessorList: it reads every signature on every call
+            scores = processor(input_ids, scores)
+        return scores
+
+
+def _shift_right(x: torch.LongTensor, bits: int) -> torch.LongTensor:
+    """Logical right shift of int64 values (torch's `>>` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.LongTensor) -> torch.LongTensor:
+    """SplitMix64's finaliser (multiplications wrap), a bijection that scatters every bit."""
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    return x ^ _shift_right(x, 31)
+
+
+def gumbel_noise(seeds: torch.LongTensor, positions: torch.LongTensor, vocab_size: int) -> torch.Tensor:
+    """`[B, T, V]` standard Gumbel noise for rows with `seeds` `[B]` at generated `positions` `[B, T]`: the same
+    (seed, position, token) always gives the same value, on any device and in any batch."""
+    keys = _mix(_mix(seeds[:, None] * _GOLDEN + positions) + _GOLDEN)
+    bits = _shift_right(_mix(keys[..., None] + torch.arange(vocab_size, device=seeds.device) * _GOLDEN), 40)
+    return -torch.log(-torch.log((bits.float() + 0.5) * 2.0**-24))
+
+
+class TokenSelector:
+    """Chooses tokens from processed scores: argmax, a sample, or seeded (`seeds` `[B0]`, with `do_sample`)."""
+
+    def __init__(self, do_sample: bool, seeds: torch.LongTensor | None = None):
+        self.do_sample = do_sample
+        self.seeds = seeds
+
+    @property
+    def rejection_sampling(self) -> bool:
+        """Whether verification samples against the drafts' distributions (unseeded sampling)."""
+        return self.do_sample and self.seeds is None
+
+    def scores_to_verify(self, scores: torch.Tensor, batch: RaggedBatch, offset: int = 0) -> torch.Tensor:
+        """`[B, T, V]` scores whose argmax at input j is the token the row takes at generated position
+        `num_generated + offset + j` (seeded: plus the row's noise)."""
+        if self.seeds is None:
+            return scores
+        rows = batch.row_ids
+        positions = batch.num_generated[rows, None] + offset + torch.arange(scores.shape[1], device=rows.device)
+        return scores + gumbel_noise(self.seeds[rows], positions, scores.shape[-1])
+
+    def __call__(self, scores: torch.Tensor, batch: RaggedBatch, offset: int = 0) -> torch.LongTensor:
+        """`[B, T, V]` scores -> `[B, T]` tokens."""
+        if not self.rejection_sampling:
+            return self.scores_to_verify(scores, batch, offset).argmax(-1)
+        return torch.multinomial(scores.flatten(0, 1).softmax(-1), 1).view(scores.shape[:2])
+
+
+def pad_token_id(generation_config: GenerationConfig) -> int:
+    pad = generation_config._pad_token_tensor
+    return int(pad) if pad is not None else 0
+
+
+class Committer:
+    """Appends committed tokens to rows; EOS and `max_new_tokens` are vectorised, any other stopping criterion is
+    evaluated on each row's prefix after every committed token."""
+
+    def __init__(self, stopping_criteria, generation_config: GenerationConfig, max_new_tokens: int, streamer=None):
+        self.extra_criteria = StoppingCriteriaList(
+            c for c in stopping_criteria or [] if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria)))
+        self.eos_token_ids = generation_config._eos_token_tensor
+        self.pad_token_id = pad_token_id(generation_config)
+        self.max_new_tokens = max_new_tokens
+        self.streamer = streamer
+
+    def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
+        """tokens `[B, n]`, counts `[B]` (1..n) -> finished `[B]`; writes the kept tokens into `batch` (rows already
+        finished commit nothing)."""
+        offsets = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        finished = batch.finished.clone()
+        counts = counts.masked_fill(finished, 0)
+        if self.eos_token_ids is not None:
+            is_eos = torch.isin(tokens, self.eos_token_ids.to(tokens.device)) & (offsets < counts[:, None])
+            first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, counts)
+            finished |= is_eos.any(1)
+            counts = torch.minimum(counts, first_eos)
+        remaining = self.max_new_tokens - batch.num_generated[batch.row_ids]
+        finished |= counts >= remaining
+        counts = torch.minimum(counts, remaining)
+        if self.extra_criteria:
+            batch.write(tokens)
+            counts, finished = self._apply_extra_criteria(batch, counts, finished)
+        batch.commit_tokens(tokens.masked_fill(offsets >= counts[:, None], self.pad_token_id), counts)
+        if self.streamer is not None:
+            self.streamer.put(tokens[0, : int(counts[0])].cpu())
+        return finished
+
+    def _apply_extra_criteria(self, batch, counts, finished):
+        prefix = batch.prefix_lengths()
+        stopped = torch.zeros_like(finished)
+        for j in range(1, int(counts.max()) + 1):
+            candidates = (~stopped & (counts >= j)).nonzero().squeeze(1)
+            for length in (prefix[candidates] + j).unique().tolist():
+                rows = candidates[prefix[candidates] + j == length]
+                hit = self.extra_criteria(batch.tokens[batch.row_ids[rows], :length], None).to(rows.device)
+                stopped[rows[hit]] = True
+                counts[rows[hit]] = j
+        return counts, finished | stopped
