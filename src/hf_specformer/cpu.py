@@ -109,11 +109,17 @@ class _Products:
         return inner(x)
 
     def start_packing(self, module, args, kwargs) -> None:
-        """A model's forward pre-hook: pack the inputs whose own mask column is 0."""
+        """A model's forward pre-hook: pack the inputs that their own mask column hides (a 2D mask, or the diagonal of
+        a 4D one's last T columns: boolean, or additive with 0 where kept)."""
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        if ids is None or mask is None or mask.dim() != 2 or mask.device.type != "cpu":
+        if ids is None or mask is None or mask.dim() not in (2, 4) or mask.device.type != "cpu":
             return
-        kept = mask[:, -ids.shape[1]:].bool()
+        length = ids.shape[1]
+        if mask.dim() == 2:
+            kept = mask[:, -length:].bool()
+        else:
+            diagonal = mask[:, 0, :, -length:].diagonal(dim1=1, dim2=2)  # [B, T]
+            kept = diagonal if diagonal.dtype == torch.bool else diagonal == 0
         if not bool(kept.all()):
             self.packing = (ids.shape, kept.flatten().nonzero().squeeze(1))
 

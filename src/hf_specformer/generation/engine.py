@@ -24,6 +24,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 from .acceptance import LOOKUP, NO_DRAFT, AcceptanceEstimator, AcceptanceTable, draft_features
 from .batch import Admissions, RaggedBatch
@@ -119,6 +120,7 @@ class _Call:
     given_cache: DynamicCache
     slots: int
     capacity: int
+    mask_shape: str  # of the step's attention mask: what the target's attention takes (`RaggedBatch.step_mask`)
     reads: int = 0
 
     def read(self, tensor: torch.Tensor) -> list:
@@ -165,6 +167,13 @@ def target_forward(model, input_ids, attention_mask, position_ids, cache, logits
     """The target over `[B, T]` inputs on the engine's cache -> logits `[B, T or logits_to_keep, V]`."""
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                  logits_to_keep=logits_to_keep, **{cache_keyword(type(model)): cache}).logits
+
+
+def _mask_shape(model) -> str:
+    """The step mask a target's attention takes whole: a boolean 4D mask for `sdpa`-like attention, an additive one
+    for `eager`, else the 2D validity mask (flash and flex attention build their own)."""
+    function = ALL_MASK_ATTENTION_FUNCTIONS.get(model.config._attn_implementation)
+    return "bool" if function is sdpa_mask else "float" if function is eager_mask else "2d"
 
 
 def slot_bytes(model, proposer: Proposer, prompt_width: int, max_new_tokens: int) -> int:
@@ -222,7 +231,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
                      TokenSelector(bool(generation_config.do_sample), seeds),
                      Committer(stopping_criteria, generation_config, max_new, speculative_streamer), speculation,
                      states, SpecStats(k), RowCounts(input_ids.shape[0], row_finished), given, slots,
-                     cache_capacity(width, max_new, k))
+                     cache_capacity(width, max_new, k), _mask_shape(model))
         if speculative_streamer is not None:
             speculative_streamer.put(input_ids.cpu())
         batch = RaggedBatch.start(input_ids, model_kwargs.get("attention_mask"), max_new + k + 1, slots,
@@ -259,12 +268,12 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         num_drafts = torch.tensor(counts, device=batch.tokens.device)
 
         # 2. Forward each row's last committed token and the drafts it verifies through the target
-        inputs = torch.arange(width + 1, device=num_drafts.device)
+        inputs = batch.positions[: width + 1]
         step_ids = torch.cat([batch.tokens[batch.row_ids, batch.prefix_lengths() - 1, None],
                               plan.draft_ids[:, :width]], dim=1)  # [B, w + 1]
         position_ids = batch.lengths[:, None] + inputs
-        logits = target_forward(model, step_ids, batch.step_mask(inputs <= num_drafts[:, None]), position_ids,
-                                caches[0])
+        mask = batch.step_mask(inputs <= num_drafts[:, None], call.mask_shape if width else "2d", model.dtype)
+        logits = target_forward(model, step_ids, mask, position_ids, caches[0])
 
         # 3. Verify: the accepted drafts and the target's correction or bonus token
         tokens, num_accepted = _verify(call, batch, plan, logits, num_drafts, width)
@@ -379,7 +388,7 @@ def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None) ->
     size = batch.size
     parts = [batch.finished, batch.lengths.max()[None]] + ([] if num_accepted is None else [num_accepted])
     parts += [part.flatten() for part in (plan.scores, plan.free) if part is not None]
-    values = call.read(torch.cat([part.double() for part in parts]))
+    values = call.read(torch.cat(parts).double())  # cat promotes to the widest dtype
     finished = [value > 0 for value in values[:size]]
     accepted = [int(value) for value in values[size + 1: 2 * size + 1]] if num_accepted is not None else []
     host, end = [], len(values)

@@ -52,7 +52,8 @@ class RaggedBatch:
         prompt_mask: `[B0, P]` 1 on the prompts' real tokens.
         host_rows, host_finished: `row_ids` and `finished` on the host, as of the last host read.
         num_live, max_length: rows not finished and the largest of `lengths`, as of the last host read.
-        max_prefix: an upper bound of the longest committed prefix, kept on the host.
+        max_prefix, min_prefix: bounds of the longest and shortest committed prefix of the live rows, on the host.
+        positions: `[capacity]` 0, 1, ... (for masks and offsets, allocated once).
     """
 
     tokens: torch.LongTensor
@@ -70,6 +71,8 @@ class RaggedBatch:
     num_live: int = 0
     max_length: int = 0
     max_prefix: int = 0
+    min_prefix: int = 0
+    positions: torch.LongTensor | None = None
 
     @classmethod
     def start(cls, input_ids, attention_mask, new_columns: int, slots: int, capacity: int, pad_token_id: int):
@@ -82,7 +85,7 @@ class RaggedBatch:
         prompt_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         return cls(tokens, input_ids.shape[1], torch.zeros_like(input_ids[:, 0]), empty,
                    torch.zeros(slots, capacity, dtype=torch.long, device=device), 0, empty, empty.bool(),
-                   pad_token_id, prompt_mask)
+                   pad_token_id, prompt_mask, positions=torch.arange(max(capacity, tokens.shape[1]), device=device))
 
     @property
     def size(self) -> int:
@@ -103,7 +106,7 @@ class RaggedBatch:
         return RaggedBatch(self.tokens, self.prompt_width, self.num_generated, row_ids,
                            self.prompt_mask[row_ids, self.prompt_width - width:].clone(), width, zeros, zeros.bool(),
                            self.pad_token_id, self.prompt_mask, list(rows), [False] * len(rows), len(rows), 0,
-                           self.prompt_width)
+                           self.prompt_width, self.prompt_width, self.positions)
 
     def prompt_ids(self) -> torch.LongTensor:
         """`[B, W]` an admission's prompts in their last W columns."""
@@ -129,35 +132,50 @@ class RaggedBatch:
         self.num_live += other.num_live
         self.max_length = max(self.max_length, other.columns)
         self.max_prefix = max(self.max_prefix, other.max_prefix)
+        self.min_prefix = min(self.min_prefix, other.min_prefix) if start else other.min_prefix
 
     def prefix_lengths(self) -> torch.LongTensor:
         """`[B]` tokens in each active row's committed prefix."""
         return self.prompt_width + self.num_generated[self.row_ids]
 
-    def step_mask(self, verified: torch.LongTensor) -> torch.LongTensor:
-        """The forward's mask `[B, columns + T]`: the cache's validity, then 1 at the T new inputs a row verifies
-        (`verified` `[B, T]`; the others are never read, so no input need attend to them)."""
-        num_inputs = verified.shape[1]
-        self.valid[: self.size, self.columns : self.columns + num_inputs] = verified
-        return self.valid[: self.size, : self.columns + num_inputs]
+    def step_mask(self, verified: torch.LongTensor, shape: str = "2d", dtype: torch.dtype | None = None):
+        """The forward's mask: the cache's validity, then 1 at the T new inputs a row verifies (`verified` `[B, T]`;
+        the others are never read, so no input need attend to them). `shape` "2d": `[B, S + T]`; "bool": `[B, 1, T,
+        S + T]`, causal among the new inputs (what `sdpa` takes, sparing `transformers` building it per forward);
+        "float": the same as an additive mask in `dtype` (what `eager` takes)."""
+        start, num_inputs = self.columns, verified.shape[1]
+        self.valid[: self.size, start : start + num_inputs] = verified
+        mask = self.valid[: self.size, : start + num_inputs]
+        if shape == "2d":
+            return mask
+        causal = self.positions[None, : start + num_inputs] <= start + self.positions[:num_inputs, None]  # [T, S + T]
+        mask = mask.bool()[:, None, None, :] & causal
+        if shape == "bool":
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
     def commit_cache(self, num_valid: torch.LongTensor, num_inputs: int) -> None:
         """After a forward of T inputs, the first `num_valid[b]` new columns of row b are kept."""
-        offsets = torch.arange(num_inputs, device=num_valid.device)
+        offsets = self.positions[:num_inputs]
         self.valid[: self.size, self.columns : self.columns + num_inputs] = offsets < num_valid[:, None]
         self.columns += num_inputs
         self.lengths = self.lengths + num_valid
 
-    def write(self, tokens: torch.LongTensor, offset: int = 0) -> None:
-        """Writes `[B, n]` tokens right after each active row's committed prefix (+ offset), uncommitted."""
-        columns = self.prefix_lengths()[:, None] + offset + torch.arange(tokens.shape[1], device=tokens.device)
+    def write(self, tokens: torch.LongTensor, offset: int = 0, generated: torch.LongTensor | None = None) -> None:
+        """Writes `[B, n]` tokens right after each active row's committed prefix (+ offset), uncommitted;
+        `generated`: the rows' `num_generated` where the caller has it."""
+        generated = self.num_generated[self.row_ids] if generated is None else generated
+        columns = (generated + (self.prompt_width + offset))[:, None] + self.positions[: tokens.shape[1]]
         self.tokens[self.row_ids[:, None], columns] = tokens
 
-    def commit_tokens(self, tokens: torch.LongTensor, counts: torch.LongTensor) -> None:
-        """Appends the first `counts[b]` of `tokens[b]` `[B, n]` to each active row."""
-        self.write(tokens)
-        self.num_generated[self.row_ids] += counts
+    def commit_tokens(self, tokens: torch.LongTensor, counts: torch.LongTensor,
+                      generated: torch.LongTensor | None = None) -> None:
+        """Appends the first `counts[b]` of `tokens[b]` `[B, n]` to each active row (`generated`: as for `write`)."""
+        generated = self.num_generated[self.row_ids] if generated is None else generated
+        self.write(tokens, generated=generated)
+        self.num_generated[self.row_ids] = generated + counts
         self.max_prefix += tokens.shape[1]
+        self.min_prefix += 1  # every live row commits at least one token
 
     def next_tokens(self, last_accepted: torch.LongTensor, num_inputs: int) -> torch.LongTensor:
         """After a forward of T inputs and its commit: `[B, T]` the token after each input, where `last_accepted`

@@ -46,12 +46,13 @@ class RaggedLogitsProcessor:
 
     def __call__(self, batch: RaggedBatch, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """logits `[B, T, V]` -> processed float32 scores `[B, T, V]`; `offset` shifts every prefix."""
-        scores = logits.to(dtype=torch.float32, copy=bool(self.processors or self.min_lengths))
-        if self.min_lengths:
-            lengths = batch.prefix_lengths()[:, None] + offset + torch.arange(scores.shape[1], device=scores.device)
-            for min_length, eos in self.min_lengths:
+        blocking = [(length, eos) for length, eos in self.min_lengths if batch.min_prefix + offset < length]
+        scores = logits.to(dtype=torch.float32, copy=bool(self.processors or blocking))
+        if blocking:  # not once every live row's prefix is past every minimum (`min_prefix`, on the host)
+            lengths = batch.prefix_lengths()[:, None] + offset + batch.positions[: scores.shape[1]]
+            for length, eos in blocking:
                 eos = eos.to(scores.device)
-                scores[..., eos] = scores[..., eos].masked_fill((lengths < min_length)[..., None], -torch.inf)
+                scores[..., eos] = scores[..., eos].masked_fill((lengths < length)[..., None], -torch.inf)
         if not self.processors:
             return scores
         batch_size, num_positions, vocab = scores.shape
@@ -142,21 +143,20 @@ class Committer:
     def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
         """tokens `[B, n]`, counts `[B]` (1..n) -> finished `[B]`; writes the kept tokens into `batch` (rows already
         finished commit nothing)."""
-        offsets = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-        finished = batch.finished.clone()
-        counts = counts.masked_fill(finished, 0)
+        offsets = batch.positions[: tokens.shape[1]]
+        generated = batch.num_generated[batch.row_ids]
+        remaining = self.max_new_tokens - generated
+        finished = batch.finished | (counts >= remaining)
+        counts = torch.minimum(counts, remaining).masked_fill_(batch.finished, 0)
         if self.eos_token_ids is not None:
-            is_eos = torch.isin(tokens, self.eos_token_ids.to(tokens.device)) & (offsets < counts[:, None])
-            first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, counts)
-            finished |= is_eos.any(1)
-            counts = torch.minimum(counts, first_eos)
-        remaining = self.max_new_tokens - batch.num_generated[batch.row_ids]
-        finished |= counts >= remaining
-        counts = torch.minimum(counts, remaining)
+            is_eos = torch.isin(tokens, self.eos_token_ids) & (offsets < counts[:, None])
+            ended = is_eos.any(1)
+            counts = torch.where(ended, is_eos.byte().argmax(1) + 1, counts)  # up to the first EOS
+            finished |= ended
         if self.extra_criteria:
             batch.write(tokens)
             counts, finished = self._apply_extra_criteria(batch, counts, finished)
-        batch.commit_tokens(tokens.masked_fill(offsets >= counts[:, None], self.pad_token_id), counts)
+        batch.commit_tokens(tokens.masked_fill(offsets >= counts[:, None], self.pad_token_id), counts, generated)
         if self.streamer is not None:
             self.streamer.put(tokens[0, : int(counts[0])].cpu())
         return finished

@@ -52,8 +52,9 @@ def _committed(draft_ids: torch.LongTensor, num_accepted: torch.LongTensor, last
 
 def _verified(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None) -> torch.BoolTensor:
     """`[B, k]`: True where position j < num_drafts[b] (everywhere when num_drafts is None)."""
-    positions = torch.arange(draft_ids.shape[1], device=draft_ids.device)[None, :]
-    return (positions < (draft_ids.shape[1] if num_drafts is None else num_drafts[:, None])).expand_as(draft_ids)
+    if num_drafts is None:
+        return torch.ones_like(draft_ids, dtype=torch.bool)
+    return torch.arange(draft_ids.shape[1], device=draft_ids.device) < num_drafts[:, None]
 
 
 def _kernels_for(tensor: torch.Tensor, backend: str | None):
@@ -83,10 +84,11 @@ def verify_greedy(
     if kernels is not None:
         return kernels.greedy_verification(draft_ids, target_scores, _num_drafts(draft_ids, num_drafts), EMPTY_SLOT)
     predictions = target_scores.argmax(dim=-1)  # [B, k + 1]
-    matches = ((draft_ids == predictions[:, :-1]) & _verified(draft_ids, num_drafts)).long()
-    num_accepted = matches.cumprod(dim=1).sum(dim=1)
-    last_token = predictions.gather(1, num_accepted[:, None]).squeeze(1)
-    return _committed(draft_ids, num_accepted, last_token), num_accepted
+    matches = (draft_ids == predictions[:, :-1]) & _verified(draft_ids, num_drafts)
+    num_accepted = matches.byte().cumprod(dim=1).sum(dim=1)
+    # accepted drafts equal the target's own tokens, so the committed ones are its predictions up to the first miss
+    positions = torch.arange(predictions.shape[1], device=predictions.device)
+    return predictions.masked_fill(positions > num_accepted[:, None], EMPTY_SLOT), num_accepted
 
 
 def verify_sampling(
