@@ -25,8 +25,12 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest --numprocesses=auto --maxprocesses=4 --dist=worksteal
 
+# The reports behind docs/results.md (about an hour on the 2-core testbed; MT-bench needs ../shared/data).
 bench: setup
-	$(BIN)/hf-specformer bench --oracle --untrained --drafter src/hf_specformer/pretrained/specformer-smollm2-135m-instruct --output bench/smollm2_cpu
+	$(BIN)/hf-specformer bench --prompts mtbench --min-rows 8 --output bench/smollm2_cpu
+	$(BIN)/hf-specformer bench --prompts passages --batch-sizes 8 16 --output bench/smollm2_cpu_passages
+	$(BIN)/hf-specformer bench --host-overhead --output bench/host_overhead
+	$(BIN)/python bench/results_page.py
 
 # After changing models/, generation/ or a shipped card: rewrite every copy from its source (`hub/copies.py`).
 fix-copies: setup

@@ -1,7 +1,7 @@
 """Static batches against continuous batching, SmolLM2 and the shipped drafter, one interleaved run.
 
     python examples/continuous_batching.py --num-prompts 256 --batch-sizes 16 32 --max-new-tokens 256 \
-        --output bench/smollm2_cpu_continuous_256
+        --output bench/smollm2_cpu_batch_job
 
 Prompts: MT-bench first turns (taken round-robin over its categories) alternating with the project's own prompts
 (`distill_prompts.jsonl`, shuffled, at most `--max-prompt-tokens` in the chat template), both from `../shared/data`,

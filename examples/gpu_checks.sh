@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA device, in one run (about 3 minutes on an H100; see README, "On a GPU"):
+# The checks that need a CUDA device, in one run (about 3 minutes on an H100):
 #   1. the engine's equality tests with the tiny float64 models on CUDA (HF_SPECFORMER_TEST_DEVICE=cuda);
 #   2. the `gpu`-marked tests: Triton kernels compiled for the device, and the loop's waits under sync debug mode;
-#   3. the bench on a random-weight model of SmolLM2's shape in bfloat16 (timings only: an oracle and an untrained
-#      drafter), for hosts where the GGUF file cannot be brought.
+#   3. the host-overhead bench, and the bench on a random-weight model of SmolLM2's shape in bfloat16 (timings only:
+#      an oracle and an untrained drafter), for hosts where the GGUF file cannot be brought.
 # Usage: bash examples/gpu_checks.sh [OUTPUT_DIR]   (needs pytest-xdist; writes logs, JSON and PNG to OUTPUT_DIR)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_checks}
 mkdir -p "$out" "$out/smollm2-shape"
 export PYTHONUNBUFFERED=1
-HF_SPECFORMER_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q --tb=short -n 8 \
-  tests/generation/test_engine.py tests/generation/test_alternatives.py tests/generation/test_lookup.py \
-  tests/generation/test_suffix.py tests/generation/test_admission.py tests/generation/test_validation.py \
-  tests/generation/test_feedback.py tests/generation/test_ties.py tests/generation/test_peft.py \
-  tests/generation/test_custom_generate.py 2>&1 | tee "$out/cuda_equality.log" | tail -3
+HF_SPECFORMER_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q --tb=short -n 8 tests/generation \
+  2>&1 | tee "$out/cuda_equality.log" | tail -3
 python3 -m pytest -p no:cacheprovider -q --tb=short -m gpu tests 2>&1 | tee "$out/gpu_marker.log" | tail -3
+hf-specformer bench --host-overhead --output "$out/host_overhead_cuda"
 python3 - "$out/smollm2-shape" <<'PY'
 import sys
 import torch
@@ -28,6 +26,6 @@ config = AutoConfig.from_pretrained(smollm2_directory(), gguf_file=SMOLLM2_GGUF_
 AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 load_tokenizer().save_pretrained(folder)
 PY
-hf-specformer bench --target "$out/smollm2-shape" --oracle --untrained --lookup off --schedules goodput \
+hf-specformer bench --target "$out/smollm2-shape" --oracle --drafter untrained --schedules goodput \
   --dtype bfloat16 --device cuda --batch-sizes 1 16 64 --max-new-tokens 32 --min-rows 4 \
   --output "$out/smollm2_shape_random_cuda_bf16"

@@ -6,17 +6,15 @@
    which runs the drafter folder's `custom_generate/generate.py` (works without installing hf-specformer).
 2. Package style: `hf_specformer.generate(target, ..., assistant_model=draft)`.
 Both give exactly the target's own greedy output. Prompt lookup runs on top of the drafter by default;
-`lookup_ngram_size=0` drafts with the drafter alone, and `alternative_draft=1` also verifies the drafter's
-second-best first draft as a branch of its own (more tokens per step, one more input each step; greedy only);
-`num_alternatives=2` with `alternative_draft=3` verifies its 2nd and 3rd best, each followed by its next two drafts.
+`speculation_config={"lookup_ngram_size": 0, "schedule": "fixed"}` drafts with the drafter alone, k every step.
+Sampling keeps the target's distribution.
 """
 
 import torch
 from transformers import AutoModel
 
 import hf_specformer
-from hf_specformer.targets import shipped_drafter_dir
-from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.targets import load_target, load_tokenizer, shipped_drafter_dir
 
 torch.set_num_threads(2)
 target, tokenizer = load_target("smollm2"), load_tokenizer("smollm2")
@@ -39,19 +37,10 @@ print(f"identical to plain generate; tokens per target forward: {stats.tokens_pe
       f"acceptance by position: {[round(a, 2) for a in stats.acceptance_by_position]}, "
       f"drafts from prompt lookup: {stats.looked_up}")
 drafter_only = hf_specformer.generate(target, **inputs, assistant_model=draft, max_new_tokens=64, do_sample=False,
-                                      lookup_ngram_size=0, schedule="fixed", return_dict_in_generate=True)
+                                      speculation_config={"lookup_ngram_size": 0, "schedule": "fixed"},
+                                      return_dict_in_generate=True)
 assert torch.equal(drafter_only.sequences, plain)
 print(f"drafter alone, k every step: tokens per target forward {drafter_only.speculation_stats.tokens_per_step:.2f}")
-with_branch = hf_specformer.generate(target, **inputs, assistant_model=draft, max_new_tokens=64, do_sample=False,
-                                     lookup_ngram_size=0, alternative_draft=1, schedule="fixed",
-                                     return_dict_in_generate=True)
-assert torch.equal(with_branch.sequences, plain)
-print(f"the same with the alternative draft: {with_branch.speculation_stats.tokens_per_step:.2f}")
-with_tree = hf_specformer.generate(target, **inputs, assistant_model=draft, max_new_tokens=64, do_sample=False,
-                                   lookup_ngram_size=0, alternative_draft=3, num_alternatives=2, schedule="fixed",
-                                   return_dict_in_generate=True)
-assert torch.equal(with_tree.sequences, plain)
-print(f"with two branches of 3: {with_tree.speculation_stats.tokens_per_step:.2f}")
 for row in tokenizer.batch_decode(hub_style.sequences[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True):
     print("-", row.strip()[:200])
 

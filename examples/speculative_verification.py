@@ -4,17 +4,16 @@
 
 Each step the scheduler estimates, for every row and drafted position, the chance that the drafts up to there are
 all accepted (from the drafter's calibrated confidence, or from the companion's (S, A) signals), and verifies the
-number of drafts per row that maximises expected committed tokens per second under step costs measured on this
-machine (measured once, cached under ~/.cache/hf_specformer). Width 0 is a plain step; a call where no width can pay
-at its batch size runs plain decoding. Outputs are always the target's own: the schedule only decides what to verify.
+number of drafts per row that maximises expected committed tokens per second under step costs learnt from the
+call's own steps. Width 0 is a plain step; a call that falls behind plain decoding is handed over to plain steps.
+Outputs are always the target's own: the schedule only decides what to verify.
 """
 
 import torch
 from transformers import AutoModel
 
 import hf_specformer
-from hf_specformer.targets import shipped_companion_dir, shipped_drafter_dir
-from hf_specformer.targets import load_target, load_tokenizer
+from hf_specformer.targets import load_target, load_tokenizer, shipped_companion_dir, shipped_drafter_dir
 
 torch.set_num_threads(2)
 target, tokenizer = load_target("smollm2"), load_tokenizer("smollm2")
@@ -29,7 +28,7 @@ texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_gen
 inputs = tokenizer(texts, return_tensors="pt", padding=True)  # left padding
 plain = target.generate(**inputs, max_new_tokens=64, do_sample=False)
 
-for label, kwargs in {"fixed k": dict(schedule="fixed"), "goodput (drafter confidence)": {},
+for label, kwargs in {"fixed k": dict(speculation_config={"schedule": "fixed"}), "goodput (drafter confidence)": {},
                       "goodput (SV companion)": dict(companion_model=companion)}.items():
     for size in (1, len(questions)):
         batch = {name: tensor[:size] for name, tensor in inputs.items()}
@@ -40,7 +39,6 @@ for label, kwargs in {"fixed k": dict(schedule="fixed"), "goodput (drafter confi
         stats = out.speculation_stats
         predicted = f", predicted acceptance {stats.predicted_acceptance_rate:.2f} vs realised " \
             f"{stats.acceptance_rate:.2f}" if stats.predicted_accepted else ""
-        what = "plain decoding (no width pays at this batch size)" if stats.plain_decoding else (
-            f"widths chosen {stats.width_counts}{predicted}")
+        what = f"widths chosen {stats.width_counts}{predicted}, hand-offs to plain steps {stats.handoffs}"
         print(f"{label}, B = {size}: identical to plain generate; kappa {stats.tokens_per_step:.2f}, "
               f"{stats.drafts_per_step:.2f} drafts verified per step; {what}")

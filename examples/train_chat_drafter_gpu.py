@@ -74,7 +74,7 @@ import torch
 from datasets import Dataset, concatenate_datasets
 
 from hf_specformer.data.answering import GenerationSettings, Throughput, answer_batch
-from hf_specformer.apps.batch_job import make_record
+from hf_specformer.data.answering import make_record
 from hf_specformer.data.batching import plan_batches, prompt_ids
 from hf_specformer.data.prompts import benchmark_ngrams, load_prompts, overlapping_prompts
 from hf_specformer.targets import DTYPES, load_target, load_tokenizer

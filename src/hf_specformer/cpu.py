@@ -89,8 +89,10 @@ class _Products:
 
     def __init__(self, models):
         heads = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
-        modules = [*models, *(m.draft_head() for m in models if getattr(m, "is_bound", False) and hasattr(m, "draft_head"))]
-        self.layers = list({id(m): m for model in modules for m in model.modules() if isinstance(m, nn.Linear)}.values())
+        modules = [*models, *(m.draft_head() for m in models
+                              if getattr(m, "is_bound", False) and hasattr(m, "draft_head"))]
+        self.layers = list({id(m): m for model in modules for m in model.modules()
+                            if isinstance(m, nn.Linear)}.values())
         self.max_rows = [(FEW_HEAD_ROWS if id(layer) in heads else FEW_ROWS) if _takes_few_rows(layer) else 0
                          for layer in self.layers]
         self.packing: tuple[torch.Size, torch.LongTensor] | None = None  # (inputs [B, T], kept flat index)

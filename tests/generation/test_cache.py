@@ -11,12 +11,12 @@ from transformers.cache_utils import DynamicCache
 
 from hf_specformer import SpecFormerProposer
 from hf_specformer.generation.cache import PreallocatedCache, cache_capacity, kv_bytes_per_column
-from hf_specformer.generation.engine import VOCABULARY_COPIES, cache_keyword, slot_bytes
+from hf_specformer.generation.engine import VOCABULARY_COPIES, slot_bytes
 
 
 def _forward(target, ids, mask, cache, positions):
     return target(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                  **{cache_keyword(type(target)): cache})
+                  cache=cache)
 
 
 @CPU_ONLY
@@ -102,7 +102,7 @@ def test_slot_bytes_are_the_bytes_the_caches_allocate_per_row(kind):
     capacity = cache_capacity(width, max_new_tokens, 3)
     cache = PreallocatedCache(config.num_hidden_layers, capacity)
     output = target(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
-                    **{cache_keyword(type(target)): cache})
+                    cache=cache)
     drafter_cache = PreallocatedCache(proposer.num_cache_layers, capacity)
     hooked = torch.stack([output.hidden_states[i] for i in proposer.drafter.config.hook_layers], dim=2)
     proposer.drafter(hooked, past_key_values=drafter_cache, return_logits=False)

@@ -12,7 +12,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, StepCosts, generate
 from hf_specformer.generation import batch as batch_module
-from hf_specformer.generation.engine import cache_keyword, record_hidden_states, slot_bytes
+from hf_specformer.generation.engine import record_hidden_states, slot_bytes
 from hf_specformer.training.target_states import next_token_ids
 
 # name: (target kind, drafter, batch size, k, padded, eos mode, max_new_tokens)
@@ -168,7 +168,7 @@ def test_recorded_hidden_states_are_the_models_own(kind, recorded):
     indices = {"all": range(num_layers + 1), "ends": {0, num_layers}, "middle": {1}, "none": ()}[recorded]
     input_ids, mask = make_batch(2, seed=4, padded=False)
     with record_hidden_states(target, frozenset(indices)) as states:
-        logits = target(input_ids=input_ids, attention_mask=mask, **{cache_keyword(type(target)): DynamicCache()}
+        logits = target(input_ids=input_ids, attention_mask=mask, cache=DynamicCache()
                         ).logits
     model = target(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
     torch.testing.assert_close(logits, model.logits, rtol=0, atol=1e-10)

@@ -12,7 +12,6 @@ from helpers import PAD, assert_same_as_generate, committed_batch, make_batch, s
 
 from hf_specformer import PromptLookupProposer, Proposer, SpecFormerProposer, TargetStep
 from hf_specformer.generation.cache import PreallocatedCache
-from hf_specformer.generation.engine import cache_keyword
 from hf_specformer.generation.proposers import Proposal, ngram_lookup
 
 
@@ -118,7 +117,7 @@ def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_to
     caches = {every: [PreallocatedCache(1, 64)], deferring: [PreallocatedCache(1, 64)]}
     positions = batch.prompt_position_ids()  # of the prompts' last W columns, the longest prompt's
     output = target(input_ids=input_ids[:, -batch.columns:], attention_mask=batch.attention_mask.clone(),
-                    position_ids=positions, output_hidden_states=True, **{cache_keyword(type(target)): cache})
+                    position_ids=positions, output_hidden_states=True, cache=cache)
     generator = torch.Generator().manual_seed(1)
     last = torch.full((3,), batch.columns - 1)
     for step, (inputs, accepted) in enumerate([(1, 1), (3, 2), (1, 1)]):
@@ -135,7 +134,7 @@ def test_deferred_drafting_gives_the_drafts_of_drafting_every_step(kind, next_to
         step_ids = torch.randint(3, TINY_VOCAB, (3, inputs), generator=generator)
         positions = batch.lengths[:, None] + torch.arange(inputs)
         output = target(input_ids=step_ids, attention_mask=batch.step_mask(torch.ones(3, inputs, dtype=torch.long)),
-                        position_ids=positions, output_hidden_states=True, **{cache_keyword(type(target)): cache})
+                        position_ids=positions, output_hidden_states=True, cache=cache)
         batch.commit_cache(torch.full((3,), accepted), inputs)
         last = torch.full((3,), accepted - 1)
 

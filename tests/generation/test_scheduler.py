@@ -91,7 +91,8 @@ def test_a_learning_schedule_times_a_plain_step_first_then_verifies_one_draft():
     scores = torch.tensor([[0.9, 0.8, 0.7]] * 7 + [[0.0, 0.0, 0.0]])
     assert schedule.choose(scores, 8, 8, True).tolist() == [1] * 7 + [0]
     schedule.observe([(step(width=1, drafted=True), [1.5, 0.2])])
-    assert schedule.costs.get("input", 8) == pytest.approx(0.4 / 8) and schedule.costs.get("draft", 8) == 0.2
+    # t_input: the slope of the verifying seconds (1.0 plain, 1.5 with 8 inputs more), not of the plain step's whole
+    assert schedule.costs.get("input", 8) == pytest.approx(0.5 / 8) and schedule.costs.get("draft", 8) == 0.2
     assert schedule.choose(scores, 8, 8, True).tolist() == [3] * 7 + [0]
 
 

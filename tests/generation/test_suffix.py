@@ -103,9 +103,9 @@ class NetworkOracle(Proposer):
 
 
 def test_prompt_lookup_goes_first_and_suffix_drafts_replace_only_weaker_network_drafts():
-    """Row 0: prompt lookup finds "5 6" -> 7 5 6, whose first draft the (network) oracle drafts too. Row 1: suffix drafts 8 8
-    then a tie (the latest, 2), expected accepted 1 + 1 + 0.5, below the one-hot oracle's 3: they replace its drafts
-    only in a step where it does not draft."""
+    """Row 0: prompt lookup finds "5 6" -> 7 5 6, whose first draft the (network) oracle drafts too. Row 1: suffix
+    drafts 8 8 then a tie (the latest, 2), expected accepted 1 + 1 + 0.5, below the one-hot oracle's 3: they replace
+    its drafts only in a step where it does not draft."""
     batch = committed_batch([[5, 6, 7, 5, 6], [1, 2, 3, 4]])
     oracle = OracleProposer(torch.tensor([[7] * 8, [11] * 8]), num_draft_tokens=3, vocab_size=16, pad_token_id=PAD)
     index = SuffixIndex()

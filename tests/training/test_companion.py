@@ -22,7 +22,6 @@ from hf_specformer.training.calibrate import (
     auc,
     compare_estimators,
     draft_records,
-    fit_logistic,
     fit_tables,
     scores,
     write_table,
@@ -101,16 +100,6 @@ def test_scores_of_a_perfect_and_a_base_rate_estimator():
     assert constant["information_gain_bits"] == pytest.approx(0.0, abs=1e-9) and constant["auc"] == 0.5
 
 
-def test_fit_logistic_recovers_its_parameters():
-    generator = torch.Generator().manual_seed(0)
-    margin = torch.rand(40_000, generator=generator) * 10
-    slots = torch.randint(2, (40_000,), generator=generator)
-    true = torch.tensor([[-3.0, 0.8], [-1.0, 0.3]], dtype=torch.float64)
-    labels = (torch.rand(40_000, generator=generator, dtype=torch.float64)
-              < torch.sigmoid(true[slots, 0] + true[slots, 1] * margin)).double()
-    assert torch.allclose(fit_logistic(margin, slots, labels, 2), true, atol=0.15)
-
-
 def test_calibration_records_labels_and_writes_tables(tmp_path, target_kind):
     """Labels are SD's: a draft counts when every draft before it matched the reply; a trained-on-nothing drafter
     on a predictable reply still yields rows of every kind; the tables land in the folders' config.json."""
@@ -123,7 +112,7 @@ def test_calibration_records_labels_and_writes_tables(tmp_path, target_kind):
     assert (observed[:, 1:] <= (observed[:, :-1] & accepted[:, :-1])).all()  # observed only after an acceptance
     assert ((records["S"] >= 0) & (records["S"] <= 1 + 1e-6)).all() and (records["A"] <= 1).all()
     report = compare_estimators(records, 3)
-    for name in ("confidence_table", "margin_logistic", "sv_table"):
+    for name in ("confidence_table", "sv_table"):
         assert 0 <= report[name]["brier"] <= 1 and -1 < report[name]["information_gain_bits"] <= 1
     tables = fit_tables(records, 3)
     drafter.save_pretrained(tmp_path / "drafter")
@@ -134,11 +123,11 @@ def test_calibration_records_labels_and_writes_tables(tmp_path, target_kind):
 
 def test_estimators_separate_predictable_from_random_replies(tmp_path):
     """On a mix of predictable (cycling) and random replies a drafter trained on the cycle is confident and right
-    on one and unsure and wrong on the other: both drafter-only estimators rank well above chance."""
+    on one and unsure and wrong on the other: the drafter's confidence, raw and tabled, ranks well above chance."""
     target = learnable_target()
     result = train(make_config(tmp_path / "run", max_steps=40), target=target, dataset=repetitive_dataset())
     mixed = [*repetitive_dataset(num_rows=8, seed=3), *random_dataset(num_rows=8, seed=4)]
     records = draft_records(target, result.drafter, None, Dataset.from_list(mixed), 3, progress=False)
     report = compare_estimators(records, 3)
-    assert report["confidence_table"]["auc"] > 0.8 and report["margin_logistic"]["auc"] > 0.8, report
+    assert report["confidence_table"]["auc"] > 0.8 and report["raw_confidence"]["auc"] > 0.8, report
     assert "sv_table" not in report

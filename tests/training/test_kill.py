@@ -59,8 +59,8 @@ def test_training_killed_repeatedly_ends_like_an_uninterrupted_run(tmp_path):
     repetitive_dataset(num_rows=10).save_to_disk(str(tmp_path / "data"))
 
     def command(output: Path) -> list[str]:
-        return [sys.executable, "-m", "hf_specformer.training.train_drafter", "--target", str(tmp_path / "target"), "--data",
-                str(tmp_path / "data"), "--output-dir", str(output), "--per-device-batch-size", "2",
+        return [sys.executable, "-m", "hf_specformer.training.train_drafter", "--target", str(tmp_path / "target"),
+                "--data", str(tmp_path / "data"), "--output-dir", str(output), "--per-device-batch-size", "2",
                 "--draft-length", "2", "--eval-fraction", "0.2", "--save-every", "1", "--num-threads", "1",
                 "--positions-per-sequence", "4", "--max-steps", "40", "--resume"]
 

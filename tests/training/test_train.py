@@ -506,7 +506,8 @@ def test_accelerate_launch_two_processes(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(free_port()),
-        "-m", "hf_specformer.training.train_drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"),
+        "-m", "hf_specformer.training.train_drafter", "--target", str(tmp_path / "target"),
+        "--data", str(tmp_path / "data"),
         "--output-dir", str(output_dir), "--max-steps", "2", "--per-device-batch-size", "2", "--draft-length", "2",
         "--eval-fraction", "0.2", "--save-every", "1", "--num-threads", "1", "--positions-per-sequence", "4",
     ]

@@ -98,12 +98,14 @@ def _calls(target, drafter, config: BenchConfig) -> dict:
     return calls
 
 
-def bench_batch_size(target, tokenizer, drafter, prompts: list[str], batch_size: int, config: BenchConfig):
-    """Every call at one batch size, interleaved batch by batch; one result row per call."""
+def bench_batch_size(target, tokenizer, drafter, prompts: list[str], batch_size: int, config: BenchConfig,
+                     extra_calls: dict | None = None):
+    """Every call (and `extra_calls`, named as `_calls` names them) at one batch size, interleaved batch by batch;
+    one result row per call."""
     batches = [b.to(target.device) for b in chat_batches(tokenizer, prompts[: max(batch_size, config.min_rows)],
                                                         batch_size)]
     kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    calls = _calls(target, drafter, config)
+    calls = {**_calls(target, drafter, config), **(extra_calls or {})}
     seconds = {name: 0.0 for name in calls}
     stats = {name: [] for name in calls}
     mismatches = {name: [] for name in calls}

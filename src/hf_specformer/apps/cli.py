@@ -4,7 +4,7 @@
     hf-specformer synthesize --output F     the target writes user prompts itself (Magpie; resumable)
     hf-specformer generate --prompts P --output DIR   batch generation, speculative (resumable, sharded)
     hf-specformer distill --output DIR      the target answers prompts (resumable self-distillation data)
-    hf-specformer train --data DIR ...      train a drafter (also under accelerate launch -m hf_specformer.training.train_drafter)
+    hf-specformer train --data DIR ...      train a drafter (or: accelerate launch -m ...training.train_drafter)
     hf-specformer train-companion ...       train a Speculative Verification companion (also under accelerate)
     hf-specformer calibrate --data DIR ...  acceptance tables of drafter and companion, estimator comparison
     hf-specformer bench --output F          speculative vs plain generate, one interleaved run, JSON + PNG

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..cpu import cpu_products
+from ..data.batching import cut_after_eos
 from ..data.prompts import CODE_PROMPTS, chat_prompt_ids, interleaved, load_prompts, passage_prompts
 from ..generation import StepCosts, generate, generate_batch
 from ..targets import DEFAULT_TARGET, DTYPES, default_device, load_drafter, load_target, load_tokenizer, timed
@@ -31,14 +32,9 @@ def demo_prompts(count: int) -> list[str]:
     return interleaved(groups)[:count]
 
 
-def _answers(sequences: torch.LongTensor, widths: list[int], eos: set[int]) -> list[list[int]]:
-    """Each row's new tokens up to its first EOS (rows left padded to the batch's width)."""
-    answers = []
-    for row, width in zip(sequences.tolist(), widths):
-        tokens = row[width:]
-        end = next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
-        answers.append(tokens[:end])
-    return answers
+def _answers(sequences: torch.LongTensor, width: int, eos: set[int]) -> list[list[int]]:
+    """Each row's new tokens (after the prompts' `width`) up to its first EOS."""
+    return [cut_after_eos(row[width:], eos) for row in sequences.tolist()]
 
 
 def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new_tokens: int) -> list[dict]:
@@ -55,12 +51,11 @@ def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new
         input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows], device=target.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=target.device)
         if not speculative:
-            return _answers(target.generate(input_ids=input_ids, attention_mask=mask, **kwargs), [width] * len(rows),
-                            eos), None
+            return _answers(target.generate(input_ids=input_ids, attention_mask=mask, **kwargs), width, eos), None
         output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter,
                           return_dict_in_generate=True, speculation_config={"step_costs": costs}, **kwargs)
         stats = output.speculation_stats
-        return _answers(output.sequences, [width] * len(rows), eos), (stats.row_steps, stats.accepted)
+        return _answers(output.sequences, width, eos), (stats.row_steps, stats.accepted)
 
     def plain_job(groups, under_backend: bool):
         with cpu_products(target) if under_backend else contextlib.nullcontext():

@@ -1,32 +1,17 @@
 """`hf-specformer eval-drafter`: a drafter's acceptance on the same texts, teacher-forced and live, per category.
 
     hf-specformer eval-drafter [--drafter DIR] [--prompts F ...] [--max-new-tokens 128] [--num-draft-tokens 3]
-                               [--with-lookup] --output bench/drafter_eval
+                               [--with-lookup] [--with-suffix] --output bench/drafter_eval
 
-Every prompt is answered by the target's plain greedy `generate` at B = 1 (chat template); that text is then scored
-two ways:
-- teacher-forced (`training.evaluation.evaluate_kappa`): one target forward over prompt + answer, the drafter drafts
-  at every position from those states, and the walk of k-draft steps from the last prompt position (as decoding goes)
-  counts the accepted drafts;
-- live: speculative `generate` at B = 1, `schedule="fixed"` (every step verifies k drafts), prompt lookup off. Its
-  output must equal the plain answer (a mismatch is counted and reported).
-Both report per-slot acceptance, cumulative as decoding sees it (slot j counts when it and every slot before it were
-accepted, per step), and kappa (tokens per step). Live and teacher-forced read the same drafter on the same states,
-so they differ only by the walk's last steps (the teacher-forced walk stops where fewer than k labels remain) and
-floating-point rounding: a gap above `MAX_GAP` means the live path computes something else than training measures,
-a bug to find, not a data problem. A second table (`causes_table`) splits a low teacher-forced slot 1 into its
-causes: labels outside the draft vocabulary, a text the target itself is less sure of, or a drafter that has not
-learnt the text (lower accuracy where the target is equally sure). `--with-lookup` adds a live run with prompt
-lookup on top of the drafter, and `--with-suffix` one with prompt lookup and cross-request suffix drafts
-(`generation/suffix.py`) from one `SuffixIndex` for the whole evaluation, which holds what that run generated for
-the prompts before (never the plain answers, so nothing is drafted from the text being scored), seeded with
-`--suffix-corpus`'s replies if given. With either, the teacher-forced walk is repeated taking at each step the
-better of the drafter's drafts and prompt lookup's (`BEST_OF_LOOKUP`): what a perfect per-step choice between the
-two reaches with this drafter, so a gap is told apart as the run-time rule's or the sources'.
-
-Rows are grouped by the prompts' `category` (MT-bench) or else their file's name (a domain), and the report gives
-each group and all of them. Defaults: MT-bench's first turns from the shared data when present, and the prompt set
-shipped in this package. Writes `<output>.json` and `<output>.png` (slot-1 acceptance and kappa per group).
+Each prompt's plain greedy answer (B = 1, chat template) is scored teacher-forced (`training.evaluation`: one target
+forward, drafts at every position, a walk of k-draft steps) and live (speculative `generate`, fixed k, lookup off;
+its output must equal the plain answer): per-slot acceptance as decoding sees it, and kappa. Both read the same
+drafter on the same states, so a gap above `MAX_GAP` is a bug, not a data problem. `causes_table` splits a low slot 1
+into labels outside the draft vocabulary, a text the target is less sure of, or one the drafter has not learnt.
+`--with-lookup` adds a live run with prompt lookup, `--with-suffix` one with suffix drafts too (a `SuffixIndex` of
+what that run generated before, seeded with `--suffix-corpus`), and with either the teacher-forced walk also takes the
+better of drafter and lookup each step (`BEST_OF_LOOKUP`). Groups: the prompts' `category`, else their file's name.
+Writes `<output>.json` and `<output>.png`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Answering a prompt set, resumable and sharded: what the batch job (`hf-specformer generate`) and self-distillation
-(`hf-specformer distill`) run.
+"""Answering a prompt set, resumable and sharded: what `hf-specformer generate` and `hf-specformer distill` run.
 
-A target answers the prompts, speculatively or not, on continuous batching (`generate_batch`: a window of prompts per
-call, each answer handed over as it finishes) or in static batches (`generate`), each answer cut after EOS. Every
-answer is appended to `<output>/progress/records*.jsonl` as soon as it is finished (`records.py`), so a restart skips
-what is done; under `accelerate launch` process r of n answers every n-th remaining prompt into its own records file.
-When every prompt is answered the main process writes `<output>/dataset` (`id`, `prompt`, `input_ids` = prompt +
-answer ids, `prompt_length`, `response`) and `<output>/generations.jsonl`, ordered by id. Prompts are sorted by
-length within windows (`batching.py`); a sampled answer is seeded by (seed, its prompt's id) alone, so a run,
-resumed or not, with any batch size, repeats exactly.
+The target answers on continuous batching (`generate_batch`, each answer saved as it finishes) or in static batches,
+speculatively or not. Answers are appended to `<output>/progress/records*.jsonl` as they finish (`records.py`), so a
+restart skips what is done; under `accelerate launch` process r of n answers every n-th remaining prompt. At the end
+the main process writes `<output>/dataset` and `<output>/generations.jsonl`. A sampled answer is seeded by (seed, its
+prompt's id) alone, so a run, resumed or not, with any batch size, repeats exactly.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Resumable JSONL records: what the long generation jobs (`generate`, `distill`, `synthesize`) write as they go.
 
-A job appends each finished batch as JSON lines (flushed and fsynced), so a kill loses at most the batch under way;
-a restart reads what is there, drops a last line cut by the kill, and skips the work already done. A `meta.json`
-beside the records says which run wrote them, and a resumed run must match it. With several processes
-(`accelerate launch`), process r appends to its own file (`records.jsonl` for process 0, `records-r.jsonl` for
-the others) and every file is read back, so a run may be resumed with another number of processes.
+Each finished batch is appended as JSON lines (flushed and fsynced); a restart drops a last line cut by a kill and
+skips the work done. `meta.json` says which run wrote them, and a resumed run must match it. Process r of
+`accelerate launch` appends to its own file, and every file is read back, so any number of processes may resume.
 """
 
 from __future__ import annotations

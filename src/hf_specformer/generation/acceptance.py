@@ -1,17 +1,11 @@
-"""Acceptance estimates of drafts, the numbers the goodput scheduler weighs (Speculative Verification, arXiv
-2509.24328, eq. 3-4).
+"""Acceptance estimates of drafts, what the goodput scheduler weighs (Speculative Verification, arXiv 2509.24328,
+eq. 3-4): q_{b,j}, the chance that drafts 1..j of row b are all accepted, so verifying slot j adds q_{b,j} expected
+tokens. Signals: `confidence` (the drafter's probability of its draft) or `sv`, SV's pair from a companion's P_c:
+S = sum_v min(P_d(v), P_c(v)) and A = min(1, P_c(d) / P_d(d)).
 
-For drafted position j of row b the estimator gives p_{b,j} = P(d_j accepted | d_1 .. d_{j-1} accepted); the running
-product q_{b,j} = p_{b,1} ... p_{b,j} is the chance that drafts 1..j are all accepted, so verifying position j adds
-q_{b,j} expected tokens. Signals: `confidence`, the drafter's own probability of its draft; `sv`, SV's pair from a
-companion distribution P_c: S = sum_v min(P_d(v), P_c(v)) and A = min(1, P_c(d) / P_d(d)).
-
-An `AcceptanceTable` maps a binned signal to a rate, per draft source and drafted slot (a looked-up draft has its own
-rate, and slot j of SpecFormer is rarer right than slot 1 at equal confidence; the paper bins (S, A) only). Offline
-counts act as a prior of at most `PRIOR_TRIALS` drafts per bin and each call adds what its verifications observe, so
-a domain unlike the calibration data moves the estimates within a few dozen drafts. Labels are conditional: a draft
-counts only when every draft before it was accepted. Greedy labels; under sampling the online counts record
-sampling acceptances.
+An `AcceptanceTable` maps a binned signal to a conditional rate per draft source and slot; offline counts are a prior
+of at most `PRIOR_TRIALS` drafts per bin, and each call adds what its verifications observe, so an unlike domain moves
+the estimates within a few dozen drafts.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The speculative decoding loop, a `generate` decoding method (`custom_generate=speculative_decode`).
 
-Each step feeds every active row's last committed token and the drafts it verifies through the target in one forward
-(`[B, w + 1]` inputs, w chosen by the schedule; w = 0 is a plain decoding step), and the same forward's hidden states
-feed the proposer's drafts for the next step (fused, as in the SpecFormer paper):
-
-    admit (prefill) -> 1 choose -> 2 forward -> 3 verify -> 4 commit -> 5 propose and plan -> 6 read -> 7 settle
-         ^                                                                                               |
-         +-----------------------------------------------------------------------------------------------+
-
-Between the steps travel a `StepPlan` (the next drafts, made on the device right after the forward) and a
-`StepResult` (the step's outcome, from its one device-to-host read). docs/engine.md names the parts.
+Each step feeds every active row's last token and the drafts it verifies through the target in one forward, whose
+hidden states feed the next step's drafts (fused, as in the SpecFormer paper): admit, then 1 choose, 2 forward,
+3 verify, 4 commit, 5 propose and plan, 6 read, 7 settle. A `StepPlan` (the next drafts, on the device) and a
+`StepResult` (the outcome, from the step's one host read) travel between them; docs/engine.md names the parts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +67,8 @@ class StepPlan:
 
     def join(self, other: "StepPlan") -> "StepPlan":
         """This plan's rows, then `other`'s; drafts one lacks are no drafts (scores 0)."""
-        width, sizes = max(self.draft_ids.shape[1], other.draft_ids.shape[1]), [len(self.draft_ids), len(other.draft_ids)]
+        width = max(self.draft_ids.shape[1], other.draft_ids.shape[1])
+        sizes = [len(self.draft_ids), len(other.draft_ids)]
         joined = []
         for pair in zip(self._tensors(), other._tensors()):
             like = next((t for t in pair if t is not None), None)
@@ -157,16 +150,10 @@ def record_hidden_states(model, indices):
             handle.remove()
 
 
-@functools.cache
-def cache_keyword(model_class: type) -> str:
-    """The name a model's `forward` takes its cache under: `cache` from transformers 5.24, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
 def target_forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep: int = 0) -> torch.Tensor:
     """The target over `[B, T]` inputs on the engine's cache -> logits `[B, T or logits_to_keep, V]`."""
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                 logits_to_keep=logits_to_keep, **{cache_keyword(type(model)): cache}).logits
+                 logits_to_keep=logits_to_keep, cache=cache).logits
 
 
 def _mask_shape(model) -> str:
@@ -190,20 +177,11 @@ def slot_bytes(model, proposer: Proposer, prompt_width: int, max_new_tokens: int
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer=None,
                        speculation: SpeculationConfig | None = None, companion=None, acceptance_table=None,
                        speculative_streamer=None, row_finished=None, seeds=None, **model_kwargs):
-    """Batched lossless speculative decoding, as `GenerationMixin.generate` calls a decoding method.
-
-    Args:
-        input_ids: `[B, P]` left-padded prompts; `model_kwargs`: `attention_mask` and the fresh `DynamicCache`.
-        proposer: where drafts come from (a `Proposer`).
-        speculation: the `SpeculationConfig`, resolved.
-        companion: a bound `CompanionForVerification`: the goodput scheduler's signal becomes SV's (S, A).
-        acceptance_table: the estimator's calibrated table (an `AcceptanceTable` or its dict; None: uncalibrated).
-        speculative_streamer: a streamer (batch size 1).
-        row_finished: called with a `FinishedRow` as each row ends.
-        seeds: `[B]` per-row sampling seeds: each row's text then depends only on its seed (`tokens.TokenSelector`).
-    Returns:
-        `[B, P + N]` sequences, or with `return_dict_in_generate` a `SpeculativeDecoderOnlyOutput`.
-    """
+    """Batched lossless speculative decoding, as `GenerationMixin.generate` calls a decoding method: prompts
+    `input_ids` `[B, P]` (left padded; `model_kwargs`: `attention_mask` and the fresh `DynamicCache`), drafts from
+    `proposer` (a `Proposer`), the resolved `speculation` config, a bound `companion`, the estimator's
+    `acceptance_table`, a streamer (B = 1), `row_finished` (called with each `FinishedRow`) and per-row sampling
+    `seeds` `[B]`. Returns `[B, P + N]` sequences, or a `SpeculativeDecoderOnlyOutput`."""
     speculation = speculation or SpeculationConfig()
     if proposer is None:
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")

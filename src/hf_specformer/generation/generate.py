@@ -3,21 +3,12 @@
     out = target.generate(**inputs, assistant_model=draft, custom_generate=drafter_dir, trust_remote_code=True)
     out = hf_specformer.generate(target, **inputs, assistant_model=draft)
 
-This file is the drafter folder's `custom_generate/generate.py` (with its sibling modules), so it imports only torch,
-transformers and siblings. It takes `generate`'s arguments, plus four of its own:
-
-    companion_model: a `CompanionForVerification`: the goodput scheduler estimates acceptance from Speculative
-        Verification's (S, A) signals through the companion's calibrated table (default: the drafter's confidence).
-    speculation_config: a `SpeculationConfig` or a dict of its fields (k, prompt lookup, schedule, suffix drafts,
-        continuous batching, step costs, ...).
-    sampling_seeds: one int per row, with `do_sample=True`: each row's text then depends only on its seed, prompt
-        and the model, not on its batch or its drafts.
-    row_finished: called with a `FinishedRow` (row, tokens, steps, accepted drafts) as each row ends.
-
-transformers' assisted-generation names work too: `num_assistant_tokens`, `assistant_confidence_threshold`,
-`max_matching_ngram_size`, `prompt_lookup_num_tokens` and `num_assistant_tokens_schedule`. `assistant_model` is a
-SpecFormer drafter (bound to the target here if it is not yet) or a `Proposer`. With `return_dict_in_generate=True`
-the output has `speculation_stats` (`SpecStats`).
+The drafter folder's `custom_generate/generate.py` (with its siblings: it imports only torch and transformers). It
+takes `generate`'s arguments and four of its own: `companion_model` (a `CompanionForVerification`, whose (S, A)
+signals the goodput scheduler reads), `speculation_config` (a `SpeculationConfig` or a dict of its fields),
+`sampling_seeds` (one int per row: its sampled text then depends only on its seed) and `row_finished` (called with
+a `FinishedRow` as each row ends). transformers' assisted-generation names work too (`num_assistant_tokens`, ...).
+`assistant_model` is a SpecFormer drafter or a `Proposer`; the output's `speculation_stats` is a `SpecStats`.
 """
 
 from __future__ import annotations
@@ -131,8 +122,8 @@ def generate(model, inputs: torch.Tensor | None = None, generation_config=None, 
     check_prompt(model, input_ids, unused.get("attention_mask"))
     check_arguments(model, config, unused, input_ids, streamer, synced_gpus)
     check_logits_processors(logits_processor)
-    suffix_index = speculation.suffix_index
-    suffix_index = SuffixIndex(max_tokens=0) if suffix_index is True else None if suffix_index is False else suffix_index
+    suffix_index = None if speculation.suffix_index is False else speculation.suffix_index
+    suffix_index = SuffixIndex(max_tokens=0) if suffix_index is True else suffix_index
     proposer = _proposer(model, assistant_model, speculation, suffix_index)
     check_cache_layers(model, input_ids.shape[1], max_new_tokens(config, input_ids.shape[1]), proposer.num_draft_tokens)
     companion = None if companion_model is None else _bound(model, companion_model, "sv_companion", "companion_model")

@@ -48,11 +48,13 @@ class RaggedLogitsProcessor:
         """logits `[B, T, V]` -> processed float32 scores `[B, T, V]`; `offset` shifts every prefix."""
         blocking = [(length, eos) for length, eos in self.min_lengths if batch.min_prefix + offset < length]
         scores = logits.to(dtype=torch.float32, copy=bool(self.processors or blocking))
-        if blocking:  # not once every live row's prefix is past every minimum (`min_prefix`, on the host)
+        for length, eos in blocking:  # not once every live row's prefix is past every minimum (on the host)
+            eos = eos.to(scores.device)
+            if batch.max_prefix + offset + scores.shape[1] <= length:  # every position is below it
+                scores[..., eos] = -torch.inf
+                continue
             lengths = batch.prefix_lengths()[:, None] + offset + batch.positions[: scores.shape[1]]
-            for length, eos in blocking:
-                eos = eos.to(scores.device)
-                scores[..., eos] = scores[..., eos].masked_fill((lengths < length)[..., None], -torch.inf)
+            scores[..., eos] = scores[..., eos].masked_fill((lengths < length)[..., None], -torch.inf)
         if not self.processors:
             return scores
         batch_size, num_positions, vocab = scores.shape

@@ -1,27 +1,13 @@
 """Lossless acceptance of a chain of drafts: greedy matching and speculative (rejection) sampling.
 
-Terms, used the same way everywhere in this package:
-- *drafted*: the k tokens proposed for a row; *accepted*: the longest prefix the target keeps (0..k);
-- *correction* token: the target's own token at the first rejected position;
-- *bonus* token: the target's token after all k drafts were accepted;
-- *committed* tokens of a step: accepted drafts plus the one correction or bonus token (1..k+1 per row).
+Terms: *accepted* drafts are the longest prefix the target keeps (0..k); the *correction* token is the target's own
+at the first rejection, the *bonus* token the target's after k acceptances; a step *commits* 1..k+1 tokens per row.
 
-Greedy (exact match): draft d_j is accepted while it equals argmax of the target's processed scores at j - 1.
-
-Sampling: Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", Algorithm 1, with the
-paper's names. For drafted position j (1-based) with target distribution p_j and draft distribution q_j (both after
-logits processing), accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample the
-correction from norm(max(p_j - q_j, 0)); after k acceptances sample the bonus from p_{k+1}. The committed tokens then
-follow exactly the target's distribution. Uniforms are drawn in float64 and compared as u * q <= p, so q(d) = 0
-(impossible for a sampled draft, but cheap to guard) means rejection rather than a division by zero. The last token
-is drawn by inverse CDF from one more uniform per row (the first token whose cumulative mass exceeds u * total), so
-the fused kernel (`hf_specformer.kernels`, used on GPUs or with `HF_SPECFORMER_KERNELS=triton`) draws the same token
-from the same uniforms.
-
-A row may verify fewer than k drafts (`num_drafts[b]`, chosen by `scheduling.py`): drafts from position
-`num_drafts[b]` on are not verified, so acceptance stops there and the token at that position is the target's own
-(greedy: its argmax; sampling: a sample of p, as for a bonus token). Leaving drafts unverified is the same as having
-proposed fewer, so both functions stay lossless.
+Greedy: draft d_j is accepted while it equals the argmax of the target's processed scores at j - 1. Sampling
+(Leviathan et al. 2023, Algorithm 1): accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), tested in float64 as
+u * q <= p; at the first rejection draw the correction from norm(max(p_j - q_j, 0)), after k acceptances the bonus
+from p_{k+1}, by inverse CDF from one uniform per row so the fused Triton kernel draws the same token. A row verifying
+fewer than k drafts (`num_drafts[b]`) is as if it had proposed fewer: both stay lossless.
 
 Each function returns `tokens [B, k + 1]` (committed tokens first, `EMPTY_SLOT` after) and `num_accepted [B]`.
 """

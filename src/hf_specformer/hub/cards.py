@@ -198,7 +198,7 @@ def _companion_training_section(report: dict | None) -> str:
 
 
 ESTIMATORS = {"confidence_table": "(a) drafter confidence, binned table", "margin_logistic": "(b) top-2 margin "
-              "logistic", "sv_table": "(c) SV (S, A) table with this companion"}
+              "logistic (dropped)", "sv_table": "(c) SV (S, A) table with this companion"}
 
 
 def _calibration_section(report: dict | None) -> tuple[str, list[str]]:
@@ -221,25 +221,6 @@ def _calibration_section(report: dict | None) -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", metrics
 
 
-def _schedule_rows_section(bench_report: dict | None) -> tuple[str, list[str]]:
-    if not bench_report:
-        return "", []
-    rows = [r for r in bench_report["results"] if r.get("schedule") in ("fixed", "goodput", "padded", "companion")]
-    lines = ["## Measured speed by schedule (greedy, interleaved with plain `generate`, one run)", "",
-             f"Machine: {bench_report['machine']['platform']}, {bench_report['machine']['threads']} threads; "
-             f"{bench_report['config']['max_new_tokens']} new tokens, k = {bench_report['config']['num_draft_tokens']}."
-             f" Every speculative row was compared with plain `generate`.", "",
-             "| batch | schedule | speedup | kappa | drafts verified per step | plain-decoding calls | "
-             "mismatched rows |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch_size']} | {r['schedule']} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | "
-              f"{r['drafts_per_step']:.2f} | {r.get('plain_decoding_share', 0):.0%} | {r['mismatched_rows']} |"
-              for r in rows]
-    metrics = [_metric(f"speedup_{r['schedule']}_bs{r['batch_size']}", r["speedup"], "mt-bench") for r in rows
-               if r["schedule"] == "companion"]
-    return "\n".join(lines) + "\n", metrics
-
-
 def render_companion_card(companion, eval_path: str | None = None, calibration_path: str | None = None,
                           bench_path: str | None = None, drafter: str = "specformer-smollm2-135m-instruct",
                           name: str = "sv-companion-smollm2-135m-instruct") -> str:
@@ -247,7 +228,7 @@ def render_companion_card(companion, eval_path: str | None = None, calibration_p
     read = lambda path: json.loads(Path(path).read_text()) if path else None  # noqa: E731
     config = companion.config
     calibration, calibration_metrics = _calibration_section(read(calibration_path))
-    benchmark, bench_metrics = _schedule_rows_section(read(bench_path))
+    benchmark, bench_metrics = _benchmark_section(read(bench_path), None)
     vocab = f"the drafter's {config.companion_vocab_size}-token draft vocabulary" if config.companion_vocab_size \
         else f"the whole vocabulary ({config.vocab_size})"
     return COMPANION_CARD_TEMPLATE.format(

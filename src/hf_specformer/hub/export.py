@@ -1,18 +1,13 @@
-"""Writes the Hub folder of a drafter: weights, config with `auto_map`, model code, `custom_generate/`, card; and
-publishes it (`push_folder`, `huggingface_hub`).
-
-`save_pretrained` (and so `push_to_hub`) of both models writes the complete folder when this package is installed
-(`complete_hub_folder`); `export_drafter` / `export_companion` add a dtype cast, a card from measurements and an
-atomic write.
+"""Writes the Hub folder of a drafter or companion, and publishes it (`push_folder`, `huggingface_hub`).
 
     drafter_dir/
       config.json  model.safetensors  configuration_specformer.py  modeling_specformer.py   (save_pretrained)
       custom_generate/generate.py + its sibling modules + requirements.txt                 (this module)
-      README.md                                                                            (model card, optional)
+      README.md                                                                            (model card)
 
-`custom_generate/` is `hf_specformer/generation/` flattened: those files import only torch, transformers (and numpy,
-which transformers requires) and each other, so
-`target.generate(..., custom_generate=drafter_dir, trust_remote_code=True)` runs without this package.
+With this package installed, `save_pretrained` (and `push_to_hub`) writes the complete folder (`complete_hub_folder`);
+`export_drafter` / `export_companion` add a dtype cast, a card and an atomic write. `custom_generate/` is
+`generation/` flattened: it imports only torch and transformers, so it runs without this package.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from . import cards
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 
-REQUIREMENTS = ("torch>=2.4", "transformers>=5.17")
+REQUIREMENTS = ("torch>=2.13", "transformers>=5.24")
 """`custom_generate/requirements.txt`: this package's floors (pyproject.toml; a test keeps them equal), never the
 exporting machine's versions. Plain `pkg>=X.Y` lines: transformers parses nothing else."""
 

@@ -1,18 +1,12 @@
 """Triton kernels of the hot path and the dispatcher between them and their PyTorch references.
 
-- `verification.py`: greedy verification (first mismatch between drafts and the target's argmax, per ragged row)
-  and speculative sampling (accept with min(1, p/q), correction from norm(max(p - q, 0)), bonus from p), one
-  program per row streaming the vocabulary in blocks, so no residual distribution is materialised. References:
-  `verify_greedy` and `verify_sampling` in `generation/verification.py`, which call the kernels when they serve.
-- `rms_norm.py`: the drafter's grouped RMSNorm (4 hooked states, each with its own scale) written straight into
-  their concatenation. Reference: `SpecFormerGroupedRMSNorm` in `models/specformer/modeling_specformer.py`.
+- `verification.py`: greedy verification and speculative sampling, one program per row streaming the vocabulary in
+  blocks (references: `generation/verification.py`).
+- `rms_norm.py`: the drafter's grouped RMSNorm written into the concatenation (reference: `SpecFormerGroupedRMSNorm`).
 
-A backend picks the implementation: `torch` (the references), `triton` (the kernels; on a CPU they run under
-Triton's interpreter, so start Python with `TRITON_INTERPRET=1`: Triton reads it when it is first imported, which
-loading a transformers model already does), or `auto` (Triton for CUDA tensors, the references elsewhere). Callers
-pass it explicitly (`generate(..., kernels=...)`); where they pass None it is `HF_SPECFORMER_KERNELS` (default
-`auto`). Nothing here writes the environment. Where Triton is not installed every backend falls back to the
-references, so remote code and CPU-only installs keep working.
+Backends: `torch` (the references), `triton` (on a CPU under Triton's interpreter: start Python with
+`TRITON_INTERPRET=1`), `auto` (Triton for CUDA tensors). Callers pass one; None reads `HF_SPECFORMER_KERNELS` (default
+`auto`). Without Triton every backend falls back to the references, so remote code and CPU installs keep working.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 Teacher-forced, as verification would see it: for every reply position t of the target's own greedy answers, the
 drafter drafts k tokens greedily at t (with the token after t as its next-token input), and the target's answer
 says which drafts would be accepted (d_j == x_{t+1+j}). A draft's label counts only when every draft before it was
-accepted (`acceptance.py`). Signals per draft: (a) the drafter's confidence q_j(d_j); (b) the top-2 logit margin of
-its draft distribution; (c) Speculative Verification's (S, A) from the companion's distribution over the same chain
-(committed token, then the drafts). Prompt-lookup drafts are not calibrated here; their table is learned online.
+accepted (`acceptance.py`). Signals per draft: (a) the drafter's confidence q_j(d_j); (c) Speculative
+Verification's (S, A) from the companion's distribution over the same chain (committed token, then the drafts).
+Prompt-lookup drafts are not calibrated here; their table is learned online.
 
 The data is split in two halves by sequence: each estimator is fitted on one and scored on the other:
 - AUC: the chance a random accepted draft gets a higher estimate than a random rejected one.
@@ -15,9 +15,8 @@ The data is split in two halves by sequence: each estimator is fitted on one and
 - information gain I(X; Y) in bits: H(X) with the fit half's base rate minus the held-out log-loss of the estimates,
   i.e. how many bits per draft the estimator saves over knowing only the base rate (it would be negative for a
   miscalibrated estimator; unlike a plug-in I(X; bins) it cannot grow by adding bins).
-Estimators: (a) an `AcceptanceTable` on confidence per slot; (b) a logistic p = sigmoid(a_j + b_j * margin) per slot
-(vLLM's acceptance estimator); (c) an `AcceptanceTable` on (S, A) per slot. Cost: seconds per step of what each
-needs beyond the drafter (the companion's forward and the S, A reductions for (c)), timed at B = 32.
+Estimators: (a) an `AcceptanceTable` on confidence per slot; (c) an `AcceptanceTable` on (S, A) per slot. (A top-2
+margin logistic, vLLM's estimator, was compared too and dropped: docs/log.md.)
 With `--write`, (a)'s table (fitted on all the data) goes into the drafter's `config.json` and (c)'s into the
 companion's, where `generate` finds them.
 """
@@ -27,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -46,20 +44,15 @@ from hf_specformer.training.target_states import next_token_ids, reply_positions
 
 logger = logging.getLogger(__name__)
 
-MARGIN_CAP = 30.0
-"""Top-2 margins are capped here (a one-token draft vocabulary has an infinite margin)."""
-
-COST_BATCH_SIZE = 32
-
 
 @torch.no_grad()
 def draft_records(target, drafter, companion, dataset, num_draft_tokens: int, max_length: int = 512,
                   progress: bool = True) -> dict[str, torch.Tensor]:
     """Signals and labels of every (reply position, slot) of `dataset`, flattened to `[N, k]` tensors:
-    confidence, margin, S, A (without a companion: NaN), accepted, observed, and `sequence` `[N]`."""
+    confidence, S, A (without a companion: NaN), accepted, observed, and `sequence` `[N]`."""
     k = num_draft_tokens
     columns: dict[str, list[torch.Tensor]] = {name: [] for name in
-                                              ("confidence", "margin", "S", "A", "accepted", "observed", "sequence")}
+                                              ("confidence", "S", "A", "accepted", "observed", "sequence")}
     for index, row in enumerate(tqdm(dataset, desc="calibration data", disable=not progress, leave=False)):
         ids = torch.tensor(row["input_ids"][:max_length], device=target.device)
         positions = reply_positions(ids, row["prompt_length"])
@@ -71,12 +64,10 @@ def draft_records(target, drafter, companion, dataset, num_draft_tokens: int, ma
         logits = output.logits[0].float()  # [P, k, V]
         probs = logits.softmax(-1)
         drafts = probs.argmax(-1)  # greedy drafts [P, k]
-        top2 = logits.topk(2, dim=-1).values
         truth = tokens_after(ids, positions, 2, k)  # [P, k]: what drafts 1..k should be
         match = (drafts == truth) & (truth >= 0)
         previous = torch.cat([torch.ones_like(match[:, :1]), match[:, :-1]], dim=1).cumprod(1).bool()
         columns["confidence"].append(draft_confidence(probs, drafts).cpu())
-        columns["margin"].append((top2[..., 0] - top2[..., 1]).clamp(max=MARGIN_CAP).nan_to_num(MARGIN_CAP).cpu())
         if companion is not None:
             chain = torch.cat([ids[positions + 1][:, None], drafts[:, :-1]], dim=1)
             companion_probs = companion(hidden_states=hidden[-1][0, positions], input_ids=chain).logits.float()
@@ -98,23 +89,6 @@ def _flat(records: dict, rows: torch.Tensor, features: list[str]):
     values = torch.stack([records[name][rows][observed] for name in features], dim=-1)
     labels = records["accepted"][rows][observed].float()
     return values, torch.full_like(slots, DRAFTER), slots, labels
-
-
-def fit_logistic(margin: torch.Tensor, slots: torch.LongTensor, labels: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """Per-slot (a_j, b_j) `[num_slots, 2]` of p = sigmoid(a_j + b_j * margin), by L-BFGS on the log-loss."""
-    weights = torch.zeros(num_slots, 2, dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weights], max_iter=200, line_search_fn="strong_wolfe")
-    margin, labels = margin.double(), labels.double()
-
-    def closure():
-        optimizer.zero_grad()
-        logits = weights[slots, 0] + weights[slots, 1] * margin
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
-    return weights.detach()
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -151,7 +125,7 @@ def scores(estimates: torch.Tensor, labels: torch.Tensor, base_rate: float) -> d
 
 
 def compare_estimators(records: dict, num_slots: int, seed: int = 0) -> dict:
-    """Fits (a), (b), (c) on half the sequences and scores them on the other half (see the module docstring)."""
+    """Fits (a) and (c) on half the sequences and scores them on the other half (see the module docstring)."""
     sequences = records["sequence"].unique()
     permutation = sequences[torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed))]
     fit_ids = permutation[: len(permutation) // 2]
@@ -168,12 +142,6 @@ def compare_estimators(records: dict, num_slots: int, seed: int = 0) -> dict:
     table = AcceptanceTable.fit("confidence", conf_fit, sources, slots, labels, num_slots=num_slots)
     report["confidence_table"] = scores(table.estimate(conf_eval, sources_eval, slots_eval), labels_eval, base_rate)
     report["raw_confidence"] = scores(conf_eval[:, 0], labels_eval, base_rate)
-
-    margin_fit = _flat(records, fit_rows, ["margin"])[0][:, 0]
-    margin_eval = _flat(records, evaluation_rows, ["margin"])[0][:, 0]
-    weights = fit_logistic(margin_fit, slots, labels, num_slots)
-    logistic = torch.sigmoid(weights[slots_eval, 0] + weights[slots_eval, 1] * margin_eval.double())
-    report["margin_logistic"] = {**scores(logistic, labels_eval, base_rate), "weights": weights.tolist()}
 
     if not torch.isnan(records["S"]).all():
         sa_fit = _flat(records, fit_rows, ["S", "A"])[0]
@@ -192,37 +160,6 @@ def fit_tables(records: dict, num_slots: int) -> dict[str, AcceptanceTable]:
         signals = _flat(records, everything, ["S", "A"])[0]
         tables["sv"] = AcceptanceTable.fit("sv", signals, sources, slots, labels, num_slots=num_slots)
     return tables
-
-
-@torch.no_grad()
-def estimator_costs(target, companion, num_draft_tokens: int, repeats: int = 10) -> dict:
-    """Seconds per step at B = `COST_BATCH_SIZE` of each estimator's work beyond drafting: the confidence gather
-    (a), the margin's top-2 (b), and the companion forward plus S and A (c)."""
-    vocab, device = target.config.vocab_size, target.device
-    batch, k = COST_BATCH_SIZE, num_draft_tokens
-    logits = torch.randn(batch, k, vocab, device=device)
-    probs = logits.softmax(-1)
-    drafts = probs.argmax(-1)
-    work = {
-        "confidence_table": lambda: draft_confidence(probs, drafts),
-        "margin_logistic": lambda: logits.topk(2, dim=-1),
-    }
-    if companion is not None:
-        states = torch.randn(batch, target.config.hidden_size, device=device, dtype=target.dtype)
-
-        def sv():
-            companion_probs = companion(hidden_states=states, input_ids=drafts).logits.float().softmax(-1)
-            return sv_features(probs, companion_probs, drafts)
-
-        work["sv_table"] = sv
-    costs = {}
-    for name, fn in work.items():
-        fn()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        costs[name] = (time.perf_counter() - start) / repeats
-    return costs
 
 
 def write_table(folder: str | Path, table: AcceptanceTable) -> None:
@@ -250,8 +187,7 @@ def calibrate(args: argparse.Namespace) -> dict:
         dataset = dataset.select(range(min(args.limit, len(dataset))))
     records = draft_records(target, drafter, companion, dataset, k, args.max_length)
     report = {"data": args.data, "sequences": len(dataset), "num_draft_tokens": k,
-              **compare_estimators(records, k, args.seed),
-              "cost_seconds_per_step_b32": estimator_costs(target, companion, k)}
+              **compare_estimators(records, k, args.seed)}
     if args.write:
         tables = fit_tables(records, k)
         write_table(args.drafter, tables["confidence"])

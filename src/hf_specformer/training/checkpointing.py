@@ -1,15 +1,9 @@
-"""Checkpoints and the metrics log of a training run, written so that a run killed at any instant (`kill -9`, an
-out-of-memory kill, a lost node) resumes exactly.
+"""Checkpoints and the metrics log of a training run, written so that a run killed at any instant resumes exactly.
 
-- A checkpoint is written whole into `checkpoints/.tmp-step-N` (accelerate's state, `trainer_state.json`, then
-  `manifest.json` with every file's size and SHA-256, all fsynced) and renamed to `step-N` only then; a kill
-  leaves either the previous checkpoints or the new complete one, and a stale temporary folder that the next save
-  replaces. The last `KEEP_CHECKPOINTS` are kept, so a good one survives a damaged newest one.
-- On resume the newest checkpoint is checked against its manifest before loading: a truncated or corrupt file is a
-  `ValueError` that names it and the previous checkpoint to resume from (delete the damaged folder).
-- The metrics log is appended line by line; a line torn by a kill is dropped on resume, and the log is cut back to
-  the checkpoint's step by writing a new file and renaming it over the old one.
-- `StopOnSignal`: SIGTERM or Ctrl-C lets the run finish its optimiser step and checkpoint before it exits.
+A checkpoint is written whole into `checkpoints/.tmp-step-N` (accelerate's state, `trainer_state.json`, a manifest of
+every file's size and SHA-256, all fsynced), then renamed to `step-N`; the last `KEEP_CHECKPOINTS` are kept and the
+newest is checked against its manifest before loading. The metrics log is appended line by line and cut back to the
+checkpoint's step on resume. `StopOnSignal`: SIGTERM or Ctrl-C finishes the optimiser step and checkpoints.
 """
 
 from __future__ import annotations

@@ -31,42 +31,22 @@ class DrafterTrainingConfig:
         adam_eps: AdamW epsilon.
         max_grad_norm: gradient clipping norm; 0 disables clipping.
         max_length: sequences are cut to this many tokens (prompt included).
-        cut_loops: cut each training reply after the first token that repeats a window of this many tokens seen
-            earlier in the reply (`data.cut_loops`; the held-out replies stay whole). SmolLM2's greedy answers to
-            synthesized prompts loop verbatim: with 16, 53% of the answers are cut and 37% of their reply tokens go,
-            which prompt lookup drafts at run time anyway. 0 keeps every reply whole.
-        positions_per_sequence: the slot stage runs only at this many random reply positions per sequence, while
-            the cheap context stage covers every position. 0 uses every valid position.
-        ce_positions_per_sequence: the l_d lm_head calls of the cross-entropy, which dominate a CPU step (V = 49152
-            columns against d = 576), run only at this many of the slot-stage positions (a random subset); 0 uses
-            all of them.
-        feature_loss_weight: weight w of an auxiliary loss (not in the paper's final recipe; its code keeps an
-            unused MSE-to-last-hidden-state option): smooth-L1 between the target's final norm of slot j's state at
-            position t and the target's own last hidden state at t + 1 + j, which its lm_head turns into the
-            distribution of x_{t+2+j}. It carries the target's whole next-token distribution rather than one
-            label (as EAGLE's feature loss does) and costs d instead of V per slot, so it runs at every slot-stage
-            position. The loss is `mean_j (CE_j + w * feature_j + w_s * soft_j)`; 0 disables it.
-        soft_label_weight: weight w_s of soft-label distillation (DistillSpec, arXiv 2310.08461): the forward KL
-            from the target's own next-token distribution at t + 1 + j (its lm_head on its last hidden state there)
-            to slot j's, beside the hard label, at the cross-entropy's positions. It teaches a slot the tokens the
-            target would also rank high, where the hard label keeps only its argmax. Costs one more lm_head per slot
-            and position. 0 disables it.
-        cache_target_states: keep each training sequence's target states (4 hooked + the last hidden state) in
-            memory after its first forward, so later epochs skip the target. Costs about T * 5 * d * 4 bytes of RAM
-            per sequence (1.5 GB for 1000 sequences of 170 tokens with d = 576).
-        draft_vocab_size: restrict drafting to the N most frequent reply tokens of the training split
-            (`SpecFormerForDrafting.set_draft_vocab`): the draft head then reads N rows of the lm_head instead of V.
-            Set before the final evaluation and export, or before training with `draft_vocab_loss`. 0: no
-            restriction (a drafter from `init_from` keeps its own).
-        draft_vocab_loss: the cross-entropy and the soft labels score only the draft vocabulary's V_d columns (as
-            EAGLE-3 and FR-Spec train), labels outside it skipped: those are the only tokens the drafter can draft,
-            and the head, which dominates a CPU step, costs V_d / V as much (1/6 with 8,192 of SmolLM2's 49,152), so
-            every position can get the cross-entropy. Needs a draft vocabulary: `init_from`'s, or
-            `draft_vocab_size`'s, counted before training. Off: the whole vocabulary is scored.
-        loss_slots: train only the first N of the l_d slots (0: all of them, equal weights, the paper's recipe).
-            All l_d slots still enter the slots' attention, so the others serve as context; only the first N go on
-            to the SwiGLU and the losses (a CPU step's head and slot MLP cost N / l_d as much). Drafting k <= N
-            tokens loses nothing; drafts past slot N come from slots this run did not train.
+        cut_loops: cut each training reply after its first repeat of an N-token window (`data.cut_loops`; held-out
+            replies stay whole): greedy answers loop verbatim, which prompt lookup drafts at run time anyway. 0: off.
+        positions_per_sequence: random reply positions per sequence that run the slot stage (0: every position).
+        ce_positions_per_sequence: of those, how many also get the cross-entropy, whose lm_head calls dominate a CPU
+            step (0: all of them).
+        feature_loss_weight: w of a smooth-L1 loss between slot j's normed state and the target's last hidden state
+            at t + 1 + j (as EAGLE's feature loss; not in the paper's recipe). 0: off.
+        soft_label_weight: w_s of soft-label distillation (DistillSpec, arXiv 2310.08461): the forward KL from the
+            target's next-token distribution to slot j's, beside the hard label. 0: off.
+        cache_target_states: keep each sequence's target states in memory after its first forward, so later epochs
+            skip the target (about T * 5 * d * 4 bytes per sequence).
+        draft_vocab_size: draft only the N most frequent reply tokens of the training split (the head reads N rows
+            of the lm_head); 0: no restriction (an `init_from` drafter keeps its own).
+        draft_vocab_loss: the losses score only the draft vocabulary (as EAGLE-3 and FR-Spec train), labels outside
+            it skipped: the head then costs V_d / V as much. Needs a draft vocabulary.
+        loss_slots: losses on the first N slots only (all l_d still attend to each other); 0: all, the paper's.
         eval_fraction: share of the sequences held out (seeded shuffle) to measure the accepted length kappa.
         eval_data: a held-out data folder (as `data`) measured instead of a split of `data`, which is then trained
             on whole (needs `eval_fraction` 0): runs on different training sets compare on the same texts.
@@ -80,17 +60,12 @@ class DrafterTrainingConfig:
         num_threads: torch CPU threads per process (0: torch's default).
         resume: continue from the latest checkpoint in `output_dir/checkpoints` (from scratch if there is none).
         init_from: a drafter folder whose weights start the run (e.g. continued training on more data).
-        intermediate_size: width of the drafter's slot SwiGLU (0: the target's MLP width for a fresh drafter,
-            `init_from`'s own otherwise). With `init_from`, a larger width widens the loaded drafter's SwiGLU by
-            splitting its units (Net2Net, Chen et al. 2016): the drafter drafts nearly the same at step 0 and
-            trains with more capacity (see `train_drafter.widen_swiglu`).
-        new_parameter_learning_rate_scale: with `init_from`, the parameters that folder lacks (e.g. a next-token
-            input added to a drafter trained without it) train at this multiple of the learning rate: a new matrix
-            that starts at zero would otherwise grow only at the fine-tuning pace of the trained ones.
-        lora: adapt the `init_from` drafter to new data (a user's domain) with a LoRA adapter (PEFT) on every linear
-            layer of the drafter, its weights frozen: the run saves the adapter (`adapter/`, loadable with
-            `PeftModel.from_pretrained(drafter, adapter_dir)`) and exports the merged drafter (`drafter/`). The
-            drafter's acceptance table, if any, was calibrated before adaptation: rerun `hf-specformer calibrate`.
+        intermediate_size: width of the slot SwiGLU (0: the target's MLP width, or `init_from`'s); with `init_from`, a
+            larger one widens it by splitting units (Net2Net), so the drafter drafts the same at step 0.
+        new_parameter_learning_rate_scale: with `init_from`, the learning-rate multiple of the parameters it lacks
+            (a new matrix starting at zero would otherwise grow at the fine-tuning pace).
+        lora: adapt the `init_from` drafter with a LoRA adapter (PEFT) on its linear layers, its weights frozen; the
+            run saves `adapter/` and exports the merged `drafter/` (rerun `calibrate` for its acceptance table).
         lora_rank, lora_alpha, lora_dropout: the adapter's rank r, scale alpha (updates are scaled by alpha / r) and
             dropout.
     """

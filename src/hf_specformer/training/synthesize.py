@@ -1,21 +1,11 @@
 """Prompts written by the target itself, for self-distillation beyond a fixed prompt set.
 
-Method: Magpie (Xu et al., 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with
-Nothing", arXiv 2406.08464). An instruction-tuned target given only the opening of a user turn in its chat template
-(the system prompt and the user header) writes a user message. Sampled at temperature 1, these messages spread over
-what the model was aligned on, which is the kind of request it will serve; a fixed prompt set such as T0's task
-templates covers far less of it. `distill --prompts <this file>` then has the target answer them greedily.
-
-Choices (Magpie's defaults where it has one): temperature 1.0, no top-k or top-p cut. A message is kept only if the
-target closed the turn itself (an EOS before `max_new_tokens`), it is not blank, and it is not an exact duplicate
-of one kept before or of one in `exclude` (earlier prompt sets, so that a new set adds only new prompts). With
-`categories`, batch b's template carries the system prompt of category b mod n
-(`CATEGORY_SYSTEM_PROMPTS`, as Magpie steers its task mix), so the prompts cover every kind of request a chat model
-serves rather than the few a bare template drifts to; each record names its `category`.
-
-Resumable like `distill`: every batch is appended to the output JSONL (flushed and fsynced), batch b is sampled with
-the seed (seed, b), and a restart continues after the last batch on disk, so a rerun reproduces the same file.
-Run it with `hf-specformer synthesize ...` or `python -m hf_specformer.training.synthesize ...`.
+Magpie (Xu et al., 2024, arXiv 2406.08464): an instruction-tuned target given only the opening of a user turn in its
+chat template writes a user message, sampled at temperature 1, so the prompts spread over what the model was aligned
+on. A message is kept if the target closed the turn itself, it is not blank and not a duplicate (of one kept or of
+`exclude`); with `categories`, batch b carries category b mod n's system prompt (`CATEGORY_SYSTEM_PROMPTS`), as
+Magpie steers its task mix. Resumable: each batch is appended and fsynced, batch b is seeded by (seed, b), so a rerun
+reproduces the same file. `hf-specformer synthesize ...`.
 """
 
 from __future__ import annotations

@@ -3,15 +3,9 @@
     accelerate launch -m hf_specformer.training.train_companion --data D --output C --vocab-from DRAFTER_DIR
     hf-specformer train-companion --data D --output C ...           (the same, one process)
 
-Data: a distill output folder (the target's greedy answers, `hf-specformer distill`). Every reply position t gives
-one example: the target's last hidden state at t, the chain x_{t+1} .. x_{t+k} (teacher forcing) and the labels
-x_{t+2} .. x_{t+k+1}, the target's own greedy tokens. The loss is cross-entropy over the companion vocabulary (the
-drafter's draft vocabulary with `--vocab-from`); labels outside it are ignored. The frozen target runs once per
-sequence and its states stay in memory (a companion is small; its data is the target's states, not text).
-
-Checkpoints (`checkpoints/step-N`: accelerate state + trainer state) every `--save-every` steps; `--resume` continues
-the last one exactly; SIGTERM or Ctrl-C finishes the optimiser step, checkpoints and exits. With several processes
-each samples its own examples (seeded by its rank) and gradients are averaged by `accelerate`.
+Every reply position t of distilled data gives one example: the target's last hidden state at t, the chain
+x_{t+1} .. x_{t+k} and the labels x_{t+2} .. x_{t+k+1}; cross-entropy over the companion vocabulary. The target runs
+once per sequence and its states stay in memory. Checkpoints resume exactly; SIGTERM or Ctrl-C checkpoints and exits.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Training a SpecFormer drafter on self-distilled data with `accelerate` (paper: Shi et al., AAAI-26, sec. 3).
 
-The target stays frozen: each micro-batch runs through it under `torch.no_grad()` (online) for the four hooked
-hidden states; `cache_target_states` instead runs each sequence on its own and keeps its states in memory for later
-epochs (see `TargetStateCache`). The drafter's context stage runs over every position; its slot stage runs at a random
-subset of positions per sequence (`positions_per_sequence`). Slot j at position t is trained with cross-entropy on
-token x_{t+2+j} of the assistant reply (at `ce_positions_per_sequence` of those positions), all slots weighted
-equally, plus, optionally, a feature loss against the target's last hidden state at t + 1 + j
-(`feature_loss_weight`, see `DrafterTrainingConfig`).
-
-The vocabulary-sized logits are never materialised for all slots at once ("intra-batch gradient accumulation",
-`intra_batch_backward`): one SpecFormer forward, then per slot a head forward and backward into a detached copy of
-the slot states, then one backward through SpecFormer.
-
-Runs resume exactly: data order is a seeded shuffle per epoch, positions are drawn from a generator seeded by
-(seed, epoch, batch, process), and checkpoints (model, optimizer, scheduler, RNG, trainer state) are written to a
-temporary folder and renamed into place. SIGTERM or Ctrl-C (a preempted job, `timeout`) lets the current optimiser
-step finish, writes a checkpoint and returns, so `--resume` loses nothing.
-
-The parts live beside this file: `config.py` (the options), `data.py` (data, split, batches),
-`losses.py` (labels, losses, intra-batch accumulation), `target_states.py` (the frozen target's states and the
-next-token rule), `evaluation.py` (kappa), `checkpointing.py`; here: the drafter, the optimiser, the schedule and
-the loop.
-
-    python -m hf_specformer.training.train_drafter --data /work/distill_smollm2 --output-dir runs/smollm2
+    python -m hf_specformer.training.train_drafter --data DISTILLED --output-dir runs/smollm2
     accelerate launch -m hf_specformer.training.train_drafter --data ... --output-dir ...      # several processes (DDP)
+
+The target stays frozen (its four hooked states per micro-batch, or kept in memory: `cache_target_states`); the
+drafter's context stage runs over every position, its slot stage at sampled positions, slot j learning token
+x_{t+2+j} of the reply (`losses.py`). The vocabulary-sized logits are never built for all slots at once
+(`intra_batch_backward`). Runs resume exactly (seeded data order and positions, atomic checkpoints,
+`checkpointing.py`); SIGTERM or Ctrl-C finishes the optimiser step and checkpoints. Beside this file: `config.py`,
+`data.py`, `losses.py`, `target_states.py`, `evaluation.py`; here: the drafter, optimiser, schedule and loop.
 """
 
 from __future__ import annotations

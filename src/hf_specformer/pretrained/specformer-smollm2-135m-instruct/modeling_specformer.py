@@ -302,15 +302,13 @@ class SpecFormerOutput(ModelOutput):
             slot j at position t scores token x_{t+2+j}. `None` with `return_logits=False`.
         slot_hidden_states (`torch.FloatTensor` of shape `[B, P, k, d]`): slot states before the target's final
             norm (what training detaches for intra-batch gradient accumulation).
-        past_key_values (`Cache`, *optional*): the context attention's cache, grown by T positions.
-
-    Built with positional arguments: from transformers 5.24 a `ModelOutput`'s `__init__` renames the keyword
-    `past_key_values` to `cache`, which earlier versions do not know; positions mean the same in both.
+        cache (`Cache`, *optional*): the context attention's cache, grown by T positions (transformers 5.24's name
+            for `past_key_values`).
     """
 
     logits: torch.FloatTensor | None = None
     slot_hidden_states: torch.FloatTensor | None = None
-    past_key_values: Cache | None = None
+    cache: Cache | None = None
 
 
 class SpecFormerPreTrainedModel(PreTrainedModel):
@@ -538,11 +536,11 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
             hooked_states, position_embeddings, mask, past_key_values, next_token_embeds
         )  # [B, T, d]
         if draft_positions.shape[1] == 0:  # context only: the cache grows, nothing is drafted
-            return SpecFormerOutput(None, None, past_key_values)  # positional: see `SpecFormerOutput`
+            return SpecFormerOutput(cache=past_key_values)
         index = draft_positions[..., None].expand(-1, -1, context_states.shape[-1])
         slot_states = self.slot_block(torch.gather(context_states, 1, index), num_draft_tokens)  # [B, P, k, d]
         logits = self.draft_logits(slot_states) if return_logits else None
-        return SpecFormerOutput(logits, slot_states, past_key_values)
+        return SpecFormerOutput(logits=logits, slot_hidden_states=slot_states, cache=past_key_values)
 
     def _stack_hooked_states(self, hooked_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Validates and stacks the hooked states into `[B, T, 4, d]` in the drafter's dtype."""

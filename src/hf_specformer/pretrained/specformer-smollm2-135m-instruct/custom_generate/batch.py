@@ -1,18 +1,13 @@
 """The ragged batch: per-row tokens, cache validity and positions, and the rows waiting for a slot.
 
-Rows accept different numbers of drafts each step. Every row feeds the same number of inputs and the cache grows by
-that many columns for all rows; columns of rejected drafts are *holes*: the validity mask hides them from later
-queries, and positions come from each row's count of valid entries (`lengths`), never from the cache column:
+Every row feeds the same number of inputs and the cache grows by that many columns for all rows; columns of rejected
+drafts are *holes*, hidden by the validity mask, and positions come from each row's count of valid entries:
 
-    step inputs        row 0: [t, d1, d2] accepts 2 -> mask 1 1 1      row 1: [t, d1, d2] accepts 0 -> mask 1 0 0
-    lengths (= next position id)  row 0: +3                              row 1: +1
+    row 0: [t, d1, d2] accepts 2 -> mask 1 1 1, position +3      row 1: [t, d1, d2] accepts 0 -> mask 1 0 0, +1
 
-`compact` squeezes the holes out when they dominate. Finished rows stay as padding that commits nothing until the
-batch can drop to a smaller `padded_batch_size`. Waiting rows join through `admission` (their prefill as a batch of
-their own) and `join` (continuous batching). The validity mask `[slots, capacity]` is allocated once per call.
-
-Token layout: `tokens[b]` = left-padded prompt, the row's generated tokens, then scratch where drafts are written so
-logits processors read a row's exact prefix; `sequences` pads past each row's end, as `generate` returns it.
+`compact` squeezes holes out; finished rows stay as padding until the batch can shrink (`padded_batch_size`); waiting
+rows join through `admission` and `join`. `tokens[b]`: the left-padded prompt, the generated tokens, then scratch
+where drafts are written so logits processors read a row's exact prefix.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A KV cache allocated once per call, whose rows and columns the engine moves in place.
 
-`DynamicCache` concatenates every layer's whole cache with each forward's columns, so every step copies the cache.
-The engine knows the most columns a call can need, so `PreallocatedCache` allocates `[slots, H, capacity, D]` per
-layer at its first forward and writes each forward's columns in place; attention reads a view of the used columns.
-Sliding-window layers are served as full ones: the engine runs such a target only while its cache fits in the
-window (`validation.check_cache_layers`), so the window never hides a column.
+`DynamicCache` concatenates each forward's columns onto every layer's whole cache; `PreallocatedCache` allocates
+`[slots, H, capacity, D]` per layer once and writes new columns in place, attention reading a view of the used ones.
+Sliding-window layers are served as full ones: the engine runs such a target only while its cache fits the window.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
-"""Proposers: where drafts come from. They return a `Proposal`; acceptance lives in `verification.py`.
+"""Proposers: where drafts come from. Two hooks, as `transformers`' `CandidateGenerator` has:
 
-A proposer is called once after every target forward (a prefill, then each step) with what that forward produced
-(`TargetStep`) and proposes the k tokens that follow each row's newly committed token: its network's draft logits
-`[B, k, V]`, which the engine turns into tokens (processing, argmax or sampling), and/or fixed drafts from a free
-source with the source of every draft. Two hooks, as `transformers`' `CandidateGenerator` has:
+- `propose(batch, step, caches, draft, free)`, after every target forward (`TargetStep`): a `Proposal` of the k tokens
+  after each row's newly committed token: the network's draft logits `[B, k, V]` and/or fixed drafts of a free
+  source. `draft=False`: the network does not draft and may defer its work (a plain step then costs what plain
+  decoding's does); `free=False`: nothing is proposed.
+- `flush(batch, caches)`: runs deferred work, before the engine moves rows or columns of the caches (it owns them all;
+  a proposer declares `num_cache_layers`).
 
-- `propose(batch, step, caches, draft, free)`: with `draft=False` the network does not draft and may defer its own
-  work (SpecFormer does: a step that verifies nothing then costs what a plain step does); with `free=False` not even
-  free drafts are proposed (a plain step is due).
-- `flush(batch, caches)`: runs deferred work, before the engine moves rows or columns of the caches.
-
-The engine owns every cache: a proposer that keeps one (SpecFormer's context attention) declares its
-`num_cache_layers`, and the engine moves its rows and columns with the target's.
-
-- `SpecFormerProposer`: the SpecFormer drafter, fused with verification (paper: one forward per step). It reads the
-  target's hooked states of the forward's T inputs into its context cache and drafts at each row's last accepted
-  input, whose slot j predicts the (j + 1)-th token after the correction or bonus token.
-- `PromptLookupProposer`: where a row's last n committed tokens occurred earlier in the row, what followed them.
-- `OracleProposer`: a known continuation, the engine's ceiling whatever the drafter (benchmarks, tests).
+`SpecFormerProposer` (the drafter, fused with verification), `PromptLookupProposer` (what followed the row's last n
+tokens earlier), `OracleProposer` (a known continuation: the engine's ceiling).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -279,11 +270,3 @@ class PromptLookupProposer(WrappingProposer):
         return Proposal(proposal.logits, torch.where(found, ids, proposal.ids), torch.where(found, LOOKUP, sources),
                         torch.where(found, 1.0, proposal.fixed_confidence()))
 
-
-def select_rows(data, keep: torch.LongTensor):
-    """A dataclass of per-row tensors (None kept) for the rows `keep`."""
-    return type(data)(**{f.name: _index(getattr(data, f.name), keep) for f in fields(data)})
-
-
-def _index(value, keep):
-    return value[keep.to(value.device)] if isinstance(value, torch.Tensor) else value

@@ -97,7 +97,7 @@ def generate_batch(
     `speculation_config` as `generate` takes it; its `memory_budget` caps the slots at as many as fit
     (`max_batch_size=None`: the budget alone sets them).
     `seeds` (one int per request, with `do_sample=True`): a sampled request's text depends only on its own seed,
-    not on the requests it shares the slots with (`seeding.py`). Returns one `RequestOutput` per request, in input
+    not on the requests it shares the slots with. Returns one `RequestOutput` per request, in input
     order."""
     if not inputs or any(not isinstance(ids, (list, tuple)) or not ids for ids in inputs):
         raise ValueError("inputs must be a non-empty list of non-empty token-id lists.")

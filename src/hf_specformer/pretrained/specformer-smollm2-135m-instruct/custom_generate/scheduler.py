@@ -1,17 +1,11 @@
 """How many drafts each row verifies: a fixed schedule, or the goodput scheduler with its costs and its guard.
 
-Every verified draft is an input of the target's forward, accepted or not. The engine gives a schedule each step's
-scores on the host (the chance q_{b,j} that drafts 1..j of row b are all accepted, or their cumulative confidence)
-and gets back the drafts each row verifies; before proposing it asks what to propose (`wants`); after each step's
-one host read it hands over what the step did (`observe`). The reasoning is in docs/scheduler.md.
-
-- `FixedSchedule`: every row verifies all k drafts, or its longest prefix whose cumulative confidence reaches a
-  threshold (at least one).
-- `GoodputSchedule` (Speculative Verification, arXiv 2509.24328, section 5): the width w that maximises expected
-  committed tokens per second, (L + sum_b sum_{j <= w} q_{b,j}) / t(B, w) for L live rows, w = 0 (a plain step)
-  included, on `StepCosts` learnt from the call's own steps; within it, each row verifies the drafts likely enough
-  to pay for their own input where inputs are skipped (the CPU backend packs them). It drafts only when drafting is
-  expected to pay, and its guard (`HandOff`) hands a call that falls behind plain decoding over to plain steps.
+Each step the engine asks what to propose (`wants`), gives the scores on the host (q_{b,j}, or cumulative confidence)
+and gets the drafts each row verifies (`choose`), and after the step's read hands over what it did (`observe`).
+`FixedSchedule` verifies all k (or the drafts above a confidence threshold). `GoodputSchedule` (Speculative
+Verification, section 5) picks the width w maximising (L + sum_b sum_{j <= w} q_{b,j}) / t(B, w), w = 0 included, on
+`StepCosts` learnt from the call's steps; it drafts only when drafting is expected to pay, and its guard (`HandOff`)
+hands a call that falls behind plain decoding over to plain steps. The reasoning: docs/scheduler.md.
 """
 
 from __future__ import annotations
@@ -34,6 +28,13 @@ EXPECTED_DECAY = 0.8
 
 COST_DECAY = 0.7
 """Weight of the past in each learnt cost: a shared machine's step times drift in phases, so recent steps count most."""
+
+INPUT_COST_DECAY = 0.95
+"""Weight of the past in the fit of t_input (about 20 steps): a small slope between noisy step times, so that one
+slow step does not make every draft look too dear to verify."""
+
+MIN_WIDTH_VARIANCE = 0.05
+"""Variance of the widths (in drafts per row, squared) below which the recent steps cannot tell t_input."""
 
 PLAIN_REFRESH_STEPS = 32
 """Steps after which a plain step is run again, to re-measure t_plain against the machine's drift."""
@@ -131,6 +132,7 @@ class StepCosts:
     draft: float | None = None
     learn: bool = True
     learnt: dict = field(default_factory=dict, repr=False)  # ("plain" | "input" | "draft", B) -> seconds
+    moments: dict = field(default_factory=dict, repr=False)  # B -> decayed sums of 1, x, x^2, t, x t (x = B w)
 
     def __post_init__(self):
         if not self.learn and None in (self.plain, self.per_input, self.draft):
@@ -139,12 +141,25 @@ class StepCosts:
     def get(self, kind: str, batch_size: int) -> float | None:
         timed = [size for learnt_kind, size in self.learnt if learnt_kind == kind]
         if timed:
-            return self.learnt[kind, min(timed, key=lambda size: (abs(size - batch_size), size))]
+            return max(self.learnt[kind, min(timed, key=lambda size: (abs(size - batch_size), size))], 0.0)
         prior = {"plain": self.plain, "input": self.per_input, "draft": self.draft}[kind]
         return None if prior is None else prior * (1 if kind == "input" else batch_size)
 
     def step(self, batch_size: int, width: int) -> float:
         return self.get("plain", batch_size) + self.get("input", batch_size) * batch_size * width
+
+    def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
+        """A step's verifying seconds at `width`: t_input(B) is their slope over the inputs beyond one per row, fitted
+        over every kind of step with forgetting (`INPUT_COST_DECAY`), so the machine's drift moves all widths alike."""
+        if not self.learn:
+            return
+        sums, inputs = self.moments.setdefault(batch_size, [0.0] * 5), batch_size * width
+        for i, value in enumerate((1.0, inputs, inputs * inputs, seconds, inputs * seconds)):
+            sums[i] = INPUT_COST_DECAY * sums[i] + value
+        mean_x, mean_t = sums[1] / sums[0], sums[3] / sums[0]
+        variance = sums[2] / sums[0] - mean_x**2
+        if variance > MIN_WIDTH_VARIANCE * batch_size**2:
+            self.learnt["input", batch_size] = (sums[4] / sums[0] - mean_x * mean_t) / variance
 
     def observe(self, kind: str, batch_size: int, seconds: float) -> None:
         if self.learn:
@@ -275,8 +290,8 @@ class GoodputSchedule:
     def choose(self, scores: torch.Tensor, num_rows: int, num_live: int, drafted: bool) -> torch.LongTensor:
         """scores `[B, k]` on the host (q_{b,j}, 0 without a draft) -> drafts each row verifies `[B]` on the host:
         up to the width of the best rate, and of those only the drafts likely enough to pay for their own input
-        (q_{b,j} at least t_input times the rate). Drafted scores update E_w. While verification's cost is unknown each row verifies its first
-        draft, the cheapest step that measures it."""
+        (q_{b,j} at least t_input times the rate). Drafted scores update E_w. While verification's cost is unknown
+        each row verifies its first draft, the cheapest step that measures it."""
         scores = scores.double()
         if drafted:
             per_row = torch.cat([scores.new_zeros(num_rows, 1), scores.cumsum(1)], dim=1).mean(0)
@@ -308,9 +323,7 @@ class GoodputSchedule:
             self.plain_steps_untimed = max(self.plain_steps_untimed - (not step.proposed), 0)
             if step.width == 0:
                 self.costs.observe("plain", batch, seconds + (0.0 if step.proposing else proposing))
-            elif self.costs.get("plain", batch) is not None:
-                extra = (seconds - self.costs.get("plain", batch)) / (batch * step.width)
-                self.costs.observe("input", batch, max(extra, 0.0))
+            self.costs.observe_step(batch, step.width, seconds)
             if step.drafted:
                 self.costs.observe("draft", batch, proposing)
             if self.costs.get("plain", batch) is not None:

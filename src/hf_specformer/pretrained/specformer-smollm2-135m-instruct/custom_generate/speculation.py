@@ -85,7 +85,7 @@ class SpeculationConfig:
         if self.step_costs is not None and not isinstance(self.step_costs, StepCosts):
             raise TypeError(f"step_costs must be a StepCosts, got {type(self.step_costs).__name__}.")
         if self.suffix_index not in (None, True, False) and not isinstance(self.suffix_index, SuffixIndex):
-            raise TypeError(f"suffix_index must be a SuffixIndex, True or None, got {type(self.suffix_index).__name__}.")
+            raise TypeError(f"suffix_index must be a SuffixIndex, True or None, got {self.suffix_index!r}.")
         for name in ("max_batch_size", "memory_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive int (None: no limit).")

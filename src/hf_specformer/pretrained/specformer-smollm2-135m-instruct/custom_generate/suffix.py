@@ -1,12 +1,9 @@
 """Cross-request suffix drafts (SuffixDecoding, arXiv 2411.04975; vLLM's `suffix` method), on the device.
 
-Where a row's last n committed tokens occurred before, in earlier requests (a `SuffixIndex`) or in any row of the
-batch, what followed them is a draft; of the latest `max_candidates` occurrences, the share whose continuation agrees
-with the draft up to slot j is slot j's confidence, which the goodput scheduler reads like a drafter's. Matching runs
-over n-gram hashes on the drafts' device (no host read); a hash collision can only propose a wrong draft, which
-verification rejects. Slots are proposed while their confidence is at least `min_confidence` (vLLM's default 0.1);
-where the drafter drafted too, a row takes the suffix drafts only if more of them are expected accepted. Memory is
-bounded by `SuffixIndex.max_tokens`, the oldest sequences going first.
+Where a row's last n committed tokens occurred before, in earlier requests (a `SuffixIndex`) or in the batch, what
+followed them is a draft; slot j's confidence is the share of the latest `max_candidates` occurrences agreeing with
+it up to j, which the scheduler reads like a drafter's. Matching runs over n-gram hashes on the device (a collision
+only proposes a wrong draft, which verification rejects); `SuffixIndex.max_tokens` bounds the memory.
 """
 
 from __future__ import annotations
@@ -232,7 +229,8 @@ class SuffixProposer(WrappingProposer):
             return proposal
         if self._sorted is None:
             text = self.index.text(batch.tokens.device)
-            self._sorted = text, {n: sorted_ngrams(text, n) for n in range(self.min_ngram_size, self.max_ngram_size + 1)}
+            sizes = range(self.min_ngram_size, self.max_ngram_size + 1)
+            self._sorted = text, {n: sorted_ngrams(text, n) for n in sizes}
         ids, found, confidence = suffix_drafts(batch, *self._sorted, self.num_draft_tokens, self.max_ngram_size,
                                                self.max_candidates, self.min_confidence, self.min_ngram_size)
         if proposal.drafted:
