@@ -4,14 +4,11 @@
         target.generate(**inputs)                                   # plain decoding gains too
         hf_specformer.generate(target, **inputs, assistant_model=drafter)
 
-Decoding feeds few rows through every linear layer. For so few rows MKL computes `x @ W^T` (what `nn.Linear` asks
-for) with a packing pass over the whole weight on every call, while `W @ x^T` streams it once: faster from 2 up to
-`FEW_ROWS` rows (`FEW_HEAD_ROWS` for the vocabulary-sized head). Inputs whose attention-mask column is 0 (a
-prefill's left padding, the drafts a step does not verify) are never read, so the linear layers skip them (Speculative
-Verification's packed verification, arXiv 2509.24328 section 6): under the causal mask no kept input attends to
-them. Masked grouped-query attention runs without copying the key/value heads (`transformers` repeats them), and a
-few queries per row are packed per key/value head. Outputs equal the models' own up to summation order. Only plain
-`nn.Linear` layers with float32/float64 weights on the CPU change; everything is restored on exit.
+For few rows MKL computes `nn.Linear`'s `x @ W^T` with a packing pass over the whole weight per call; `W @ x^T`
+streams it once: faster up to `FEW_ROWS` rows (`FEW_HEAD_ROWS` for the head). Inputs whose mask column is 0 (left
+padding, drafts a step does not verify) are skipped (SV's packed verification, arXiv 2509.24328 section 6), and
+masked grouped-query attention runs without copying the key/value heads. Outputs equal the models' own up to
+summation order; only float32/float64 `nn.Linear` layers on the CPU change, and everything is restored on exit.
 """
 
 from __future__ import annotations

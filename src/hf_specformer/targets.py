@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import platform
 import time
@@ -124,6 +125,30 @@ def load_target(
         model.config._name_or_path = SMOLLM2_NAME
     model.requires_grad_(False)
     return model.eval().to(device)
+
+
+def _canonical(name_or_path: str) -> str:
+    name_or_path = {SMOLLM2_NAME: DEFAULT_TARGET}.get(name_or_path, name_or_path)
+    return os.path.realpath(name_or_path) if os.path.exists(name_or_path) else name_or_path
+
+
+def load_data_target(data: str, name_or_path: str | None, **kwargs) -> PreTrainedModel:
+    """The target for a command reading distilled `data`: `name_or_path`, else the one its `progress/meta.json`
+    records, else `smollm2` (`kwargs` as `load_target` takes them). ValueError, naming both, where the data was
+    distilled from another model."""
+    if not Path(data).exists():
+        raise FileNotFoundError(f"No distilled data at {data}.")
+    meta_path = Path(data) / "progress" / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    recorded = meta.get("target") and {SMOLLM2_NAME: DEFAULT_TARGET}.get(meta["target"], meta["target"])
+    refusal = ValueError(f"{data} was distilled from {recorded}, not from the target given ({name_or_path}): drop "
+                         "--target to use the data's, or distil again with this one.")
+    if name_or_path and recorded and _canonical(name_or_path) != _canonical(recorded):
+        raise refusal
+    target = load_target(name_or_path or recorded or DEFAULT_TARGET, **kwargs)
+    if recorded and (target.config.vocab_size, target.config.hidden_size) != (meta["vocab_size"], meta["hidden_size"]):
+        raise refusal
+    return target
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:

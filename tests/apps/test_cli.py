@@ -21,7 +21,7 @@ def test_no_command_prints_usage(capsys):
 
 COMMAND_OPTIONS = {
     "demo": "--slots", "generate": "--plain", "synthesize": "--num-prompts", "distill": "--prompts",
-    "train": "--soft_label_weight", "train-companion": "--output", "calibrate": "--write", "bench": "--oracle",
+    "train": "--soft-label-weight", "train-companion": "--output", "calibrate": "--write", "bench": "--oracle",
     "eval-drafter": "--with-lookup", "export": "--draft-vocab-size", "export-companion": "--calibration",
 }
 """Every command and an option only its own parser has."""

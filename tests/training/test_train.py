@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -614,7 +613,7 @@ def test_confidence_bins_split_slot_one_accuracy_by_the_targets_probability():
     assert [b["share"] for b in bins] == [2 / 6, 2 / 6, 2 / 6]  # a probability of 1.0 falls in the last bin
     assert [b["accuracy"] for b in bins] == [0.5, 1.0, 0.5]
     empty = confidence_bins(hits, torch.full((6,), 0.2), edges=(0.5,))
-    assert empty[0]["accuracy"] == 4 / 6 and empty[1]["share"] == 0.0 and math.isnan(empty[1]["accuracy"])
+    assert empty[0]["accuracy"] == 4 / 6 and empty[1]["share"] == 0.0 and empty[1]["accuracy"] is None
 
 
 def test_label_probabilities_are_the_targets_own():

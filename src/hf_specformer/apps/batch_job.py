@@ -3,31 +3,14 @@
     hf-specformer generate --prompts questions.jsonl --output answers/           # SmolLM2 + the shipped drafter
     accelerate launch -m hf_specformer.apps.batch_job --prompts ... --output answers/   # one shard per process
 
-Prompts come from any `datasets` source (`--prompts` repeated: local .jsonl/.json/.parquet files or Hub dataset
-names; the prompt column is detected). Each prompt is wrapped in the target's chat template (`--no-chat-template`
-for raw text) and answered with a drafter (plus prompt lookup, the goodput scheduler and, with
-`--suffix-index-tokens`, suffix drafts from everything the process answered before, and with `--suffix-corpus`
-from a distilled data folder's replies too), or by plain `generate` with
-`--plain`; greedy by default, `--do-sample` for sampling. Speculation is lossless, so the answers are the target's
-own (greedy: token for token, up to low-precision ties; sampling: the same distribution).
-
-Jobs run on continuous batching (`hf_specformer.generate_batch`, with `--plain` on plain steps): `--batch-size` rows
-decode at once and a waiting prompt takes the slot of each row that finishes, so no slot idles until a window of
-prompts runs out; `--static` runs batches of `--batch-size` prompts instead (`hf_specformer.generate`, or
-transformers' `generate` with `--plain`), each lasting as long as its slowest row.
-
-Nothing is lost on interruption: every answer is appended to `<output>/progress/records*.jsonl` (see `records.py`)
-as soon as it is finished (with static batches, as its batch is) and a restart skips what is done. Under
-`accelerate launch` process r of n answers every n-th remaining prompt, on its own device, into its own records
-file. When every prompt is answered the main process writes `<output>/dataset` (a `datasets` folder: `id`,
-`prompt`, `input_ids` = prompt + answer ids, `prompt_length`, `response`) and `<output>/generations.jsonl` (`id`,
-`prompt`, `response`), ordered by id.
-
-Choices: prompts are sorted by length within windows (`batching.py`; a continuous call takes a whole window);
-prompts longer than `max_prompt_tokens` are skipped and counted. A sampled answer is seeded by (seed, its prompt's
-id) alone (`generate_batch`'s per-request seeds), so a run, resumed or not, with any batch size, repeats exactly;
-a static batch is seeded from (seed, its first prompt's id), so an uninterrupted static run repeats exactly and a
-resumed one draws fresh samples for the prompts left (from the same distribution).
+Prompts come from any `datasets` source (`--prompts` repeated), wrapped in the target's chat template
+(`--no-chat-template`: raw text), answered with the drafter (prompt lookup, the goodput scheduler, suffix drafts
+with `--suffix-index-tokens` / `--suffix-corpus`) or by plain steps (`--plain`); greedy, or `--do-sample`. Jobs run
+on continuous batching (`generate_batch`, `--batch-size` slots; `--static`: static batches). Every answer is
+appended to `<output>/progress/` as it finishes (`data/records.py`), so a restart skips what is done; under
+`accelerate launch` each process answers its share. The result: `<output>/dataset` and `generations.jsonl`. A
+sampled answer is seeded by (seed, its prompt's id) alone, so a continuous run repeats exactly whatever its batch
+size or interruptions (a static batch by its first prompt's id).
 """
 
 from __future__ import annotations

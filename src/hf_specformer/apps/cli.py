@@ -11,11 +11,16 @@
     hf-specformer eval-drafter ...          a drafter's acceptance per category, teacher-forced and live
     hf-specformer export --drafter DIR ...  Hub folder: weights, code, custom_generate/, model card
     hf-specformer export-companion ...      a companion's Hub folder: weights, table, code, model card
+
+A user's mistake (a changed run, a missing file, a bad value) prints one line and exits 2; set HF_SPECFORMER_DEBUG=1
+for the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,7 +77,12 @@ def _export(argv: list[str]) -> None:
     card = render_card(drafter, eval_path=args.eval, bench_path=args.bench, bench_call=args.bench_call,
                        name=Path(args.output).name)
     folder = export_drafter(drafter, args.output, model_card=card, dtype=getattr(torch, args.dtype))
-    print(folder)
+    k = drafter.config.num_speculative_tokens
+    kappa = (json.loads(Path(args.eval).read_text()).get("kappa") or [])[k - 1: k] if args.eval else []
+    print(f"wrote {folder}: k = {k} of {drafter.config.draft_length} slots, {args.dtype}, "
+          f"{drafter.num_parameters() / 1e6:.2f}M parameters" +
+          (f", held-out kappa {kappa[0]:.2f} at k = {k}" if kappa and kappa[0] is not None else "") +
+          (f", speeds from {args.bench}" if args.bench else ""))
     _maybe_push(folder, args)
 
 
@@ -120,7 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in commands:
         print(__doc__)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    commands[argv[0]](argv[1:])
+    try:
+        commands[argv[0]](argv[1:])
+    except (ValueError, FileNotFoundError) as error:  # a user's mistake: one line, as argparse reports its own
+        if os.environ.get("HF_SPECFORMER_DEBUG"):
+            raise
+        print(f"hf-specformer {argv[0]}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

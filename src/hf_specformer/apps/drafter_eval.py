@@ -1,17 +1,13 @@
 """`hf-specformer eval-drafter`: a drafter's acceptance on the same texts, teacher-forced and live, per category.
 
-    hf-specformer eval-drafter [--drafter DIR] [--prompts F ...] [--max-new-tokens 128] [--num-draft-tokens 3]
-                               [--with-lookup] [--with-suffix] --output bench/drafter_eval
+    hf-specformer eval-drafter [--drafter DIR] [--prompts F ...] [--with-lookup] [--with-suffix] --output E
 
-Each prompt's plain greedy answer (B = 1, chat template) is scored teacher-forced (`training.evaluation`: one target
-forward, drafts at every position, a walk of k-draft steps) and live (speculative `generate`, fixed k, lookup off;
-its output must equal the plain answer): per-slot acceptance as decoding sees it, and kappa. Both read the same
-drafter on the same states, so a gap above `MAX_GAP` is a bug, not a data problem. `causes_table` splits a low slot 1
-into labels outside the draft vocabulary, a text the target is less sure of, or one the drafter has not learnt.
-`--with-lookup` adds a live run with prompt lookup, `--with-suffix` one with suffix drafts too (a `SuffixIndex` of
-what that run generated before, seeded with `--suffix-corpus`), and with either the teacher-forced walk also takes the
-better of drafter and lookup each step (`BEST_OF_LOOKUP`). Groups: the prompts' `category`, else their file's name.
-Writes `<output>.json` and `<output>.png`.
+Each prompt's plain greedy answer (B = 1, chat template) is scored teacher-forced (`training.evaluation`) and live
+(speculative `generate`, fixed k, lookup off, output checked against the plain answer): per-slot acceptance and
+kappa. Both read the same drafter on the same states, so a gap above `MAX_GAP` is a bug. `causes_table` splits a
+low slot 1 by its causes; `--with-lookup` / `--with-suffix` add live runs with prompt lookup / suffix drafts, and the
+teacher-forced best of drafter and lookup per step (`BEST_OF_LOOKUP`). Groups: the prompts' `category`, else their
+file's name. Writes `<output>.json` and `<output>.png`.
 """
 
 from __future__ import annotations
@@ -154,7 +150,8 @@ def causes_table(report: dict) -> str:
         forced = row["teacher_forced"]
         cells = [name, f"{forced['slot_accuracy'][0]:.3f}", f"{forced['draft_vocab_coverage']:.3f}",
                  f"{forced['mean_target_confidence']:.3f}"]
-        cells += [f"{b['accuracy']:.3f} ({b['share']:.2f})" for b in forced["slot1_by_target_confidence"]]
+        cells += ["-" if b["accuracy"] is None else f"{b['accuracy']:.3f} ({b['share']:.2f})"
+                  for b in forced["slot1_by_target_confidence"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -181,7 +178,7 @@ def plot(report: dict, path: Path) -> None:
                       if BEST_OF_LOOKUP in report[names[0]]["teacher_forced"] else {})}),
         ("teacher-forced slot-1 accuracy by the target's probability p of the label",
          {f"p in [{b['low']:.2f}, {b['high']:.2f}]":
-          lambda r, i=i: r["teacher_forced"]["slot1_by_target_confidence"][i]["accuracy"]
+          lambda r, i=i: r["teacher_forced"]["slot1_by_target_confidence"][i]["accuracy"] or 0.0
           for i, b in enumerate(bins)}),
     ]
     for axis, (title, bars) in zip(axes, panels):

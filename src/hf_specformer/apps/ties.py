@@ -1,16 +1,10 @@
 """Classifying greedy mismatches between speculative and plain decoding in low precision: a tie or a bug.
 
-In bfloat16/float16 a verification forward of k + 1 tokens per row and plain decoding's forward of one token run
-different kernels (other shapes, other summation orders), so their logits differ by rounding. Where the target's
-two best tokens are nearly tied, the argmax can flip and the two outputs diverge from there on: both are correct
-greedy decodings of the model, up to the precision it runs in. A true bug (a wrong cache column, a draft accepted
-that the target did not choose) instead picks a token the target clearly does not rank first.
-
-`classify_mismatch` finds the first position where two rows differ, runs the target alone on the common prefix
-(the prompt's real tokens plus the shared output) in its own dtype, and calls the mismatch a tie when both tokens'
-logits are within `tie_tolerance` of the best logit. The tolerance is `TIE_ULPS` units in the last place of the
-dtype at the size of the best logit: a few roundings of the final logits, not a gap the model means. (The choice is
-ours: the papers are silent; vLLM and SGLang compare low-precision outputs by text similarity instead.)
+In bfloat16 a forward of k + 1 tokens and one of 1 token round differently, so where the target's two best tokens are
+nearly tied the argmax can flip: both outputs are correct greedy decodings up to the precision. A bug instead picks
+a token the target clearly does not rank first. `classify_mismatch` reruns the target alone on the common prefix and
+calls a mismatch a tie when both tokens' logits are within `TIE_ULPS` ulps of the best (vLLM and SGLang compare
+low-precision outputs by text similarity instead).
 """
 
 from __future__ import annotations
@@ -20,8 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 TIE_ULPS = 4
-"""Units in the last place (at the best logit's magnitude) within which two logits count as tied. On SmolLM2 in
-bfloat16 (CPU, MT-bench, 128 tokens) the flips measured lie within 0 to 2.5 of them (`bench/smollm2_cpu_bf16.json`)."""
+"""Units in the last place (at the best logit's magnitude) within which two logits count as tied (SmolLM2's bfloat16
+flips measured 0 to 2.5 of them: docs/log.md)."""
 
 
 def tie_tolerance(dtype: torch.dtype, best_logit: float) -> float:
@@ -31,15 +25,9 @@ def tie_tolerance(dtype: torch.dtype, best_logit: float) -> float:
 
 @dataclass
 class Mismatch:
-    """The first difference between two outputs of one prompt.
-
-    Attributes:
-        position: index among the new tokens where they first differ.
-        expected, actual: the token ids there (plain, speculative).
-        gap: best logit minus the lower of the two tokens' logits, from the target alone on the common prefix.
-        tolerance: `tie_tolerance` there.
-        tie: whether both tokens are within the tolerance of the best logit.
-    """
+    """The first difference between two outputs of one prompt: where among the new tokens, the two tokens (plain,
+    speculative), the best logit minus the lower of theirs (the target alone on the common prefix), the tolerance
+    there, and whether that makes a tie."""
 
     position: int
     expected: int

@@ -51,14 +51,12 @@ class GenerationSettings:
     Attributes:
         max_new_tokens: answer length cap.
         max_prompt_tokens: prompts longer than this (in tokens, template included) are skipped.
-        batch_size: rows decoded at once (per process): the slots of continuous batching, or the prompts per
-            `generate` call of static batches.
+        batch_size: rows decoded at once per process (continuous batching's slots, or a static batch's prompts).
         do_sample, temperature, top_p: sampling (greedy when `do_sample` is False).
         seed: seed of the sampled batches.
         chat_template: wrap each prompt as a user message in the tokenizer's chat template.
         continuous: run on continuous batching (False: static batches).
-        memory_budget_gib: with continuous batching, fewer slots than `batch_size` where their state would not fit
-            in this many GiB (`generate`'s `memory_budget`). None: `batch_size` slots.
+        memory_budget_gib: with continuous batching, at most as many slots as fit in this many GiB (None: no cap).
     """
 
     max_new_tokens: int = 256
@@ -267,8 +265,7 @@ def generate_dataset(
     Args:
         target, tokenizer: the model that answers (its tokenizer pads on the left).
         prompts: the prompt texts; a record's `id` is its prompt's index.
-        output_dir: where the progress, `dataset/` and `generations.jsonl` go; a run there is resumed if it has the
-            same target, prompts and settings (ValueError if not).
+        output_dir: for the progress, `dataset/` and `generations.jsonl`; resumed if target, prompts and settings match.
         settings: `GenerationSettings` (default: greedy, 256 new tokens, batches of 16).
         speculation: arguments of `hf_specformer.generate` beyond `generate`'s, e.g. `{"assistant_model":
             drafter, "speculation_config": {"lookup_ngram_size": 4}}`; None: plain `generate`.

@@ -85,14 +85,11 @@ def load_prompts(
     """Non-empty prompts from `source`: a local file or Hub dataset, `sharegpt`, several of them (concatenated in
     order), or None for the set shipped in this package.
 
-    The prompt column is `prompt_field`, or the first of `prompt`, `instruction`, `question`, `text`, `turns`
-    (whose first turn is taken), looked up in each source. With `shuffle_seed`, prompts are shuffled
-    deterministically before `limit` keeps the first ones, so that a limited run still covers every part of a set
-    sorted by source. With `interleave_field` (e.g. MT-bench's `category`), prompts are instead taken round-robin
-    over that column's values (file order within each value), so that every prefix mixes them alike; rows of a
-    source without the column form one group. With `exclude_overlap` (benchmark files, e.g. MT-bench), prompts that
-    share more than `MAX_BENCHMARK_OVERLAP` of their word 5-grams with the benchmark's prompts (every turn) are
-    dropped first, so that no training set holds a benchmark prompt.
+    The column is `prompt_field`, else the first of `PROMPT_FIELDS` present (`turns`: the first turn). `shuffle_seed`
+    shuffles before `limit` keeps the first ones; `interleave_field` (e.g. MT-bench's `category`) takes prompts
+    round-robin over its values instead, so every prefix mixes them; `exclude_overlap` (benchmark files) first drops
+    prompts sharing over `MAX_BENCHMARK_OVERLAP` of their word 5-grams with the benchmark's, so no training set holds
+    a benchmark prompt.
     """
     prompts, groups = labelled_prompts(source, interleave_field, prompt_field=prompt_field, split=split)
     if exclude_overlap is not None:

@@ -30,30 +30,23 @@ TRANSFORMERS_SCHEDULES = {"constant": "fixed", "heuristic": "goodput", "heuristi
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """How a call speculates.
+    """How a call speculates (transformers' equivalent names in brackets).
 
     Args:
-        num_draft_tokens: k, drafts per row and step (None: the drafter's `num_speculative_tokens`; 0: plain
-            decoding). transformers: `num_assistant_tokens`.
-        lookup_ngram_size: prompt lookup on top of the drafter, matching n-grams of this many tokens down to 2 (0:
-            off). transformers: `max_matching_ngram_size`; `prompt_lookup_num_tokens=0` turns it off.
-        schedule: "goodput" (the goodput scheduler chooses each step's width, 0 included) or "fixed" (every row
-            verifies k, or its drafts above `confidence_threshold`). transformers: `num_assistant_tokens_schedule`
-            ("constant": fixed, "heuristic": goodput).
-        confidence_threshold: with "fixed", a row verifies its drafts while their cumulative draft probability is at
-            least this (0: all k). transformers: `assistant_confidence_threshold`.
-        step_costs: the goodput scheduler's `StepCosts` (None: fresh ones, learnt from the call's steps; keep one
-            across calls to start from what they learnt).
-        suffix_index: cross-request suffix drafts from this `SuffixIndex`, which also receives the call's rows
-            (True: this call's rows only; None: off).
-        max_batch_size: the most rows decoded at once; the others wait and join as rows finish (continuous
-            batching). None: every row.
-        memory_budget: bytes the decoding rows' caches, logits and prefill states may take; the slots are then at
-            most as many as fit. None: no budget.
-        compaction_hole_fraction: compact the caches when the columns compaction would remove reach this share of
-            them (0: every step, above 1: never).
-        kernel_backend: verification's kernels, one of `KERNEL_BACKENDS` (None: `$HF_SPECFORMER_KERNELS`, else
-            "auto": Triton on CUDA).
+        num_draft_tokens: k drafts per row and step (None: the drafter's `num_speculative_tokens`; 0: plain
+            decoding) [`num_assistant_tokens`].
+        lookup_ngram_size: prompt lookup beside the drafter, n-grams of this many tokens down to 2; 0: off
+            [`max_matching_ngram_size`; `prompt_lookup_num_tokens=0`: off].
+        schedule: "goodput" (each step's width chosen, 0 included) or "fixed" (k, or the drafts above
+            `confidence_threshold`) [`num_assistant_tokens_schedule`: "heuristic", "constant"].
+        confidence_threshold: with "fixed", the least cumulative draft probability verified
+            [`assistant_confidence_threshold`].
+        step_costs: the goodput scheduler's `StepCosts` (None: fresh, learnt in the call; keep one across calls).
+        suffix_index: suffix drafts from this `SuffixIndex`, which also receives the call's rows (True: this call's).
+        max_batch_size: the most rows decoded at once; the others join as rows finish (None: every row).
+        memory_budget: bytes the decoding rows' caches, logits and prefill states may take (None: no budget).
+        compaction_hole_fraction: compact the caches when rejected columns reach this share (0: every step).
+        kernel_backend: one of `KERNEL_BACKENDS` (None: `$HF_SPECFORMER_KERNELS`, else "auto": Triton on CUDA).
     """
 
     num_draft_tokens: int | None = None

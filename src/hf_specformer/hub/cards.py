@@ -99,7 +99,7 @@ def _benchmark_section(bench_report: dict | None, call: str | None) -> tuple[str
         return "", []
     rows = bench_report["results"]
     call = call or next(r["call"] for r in rows if "kappa" in r)
-    rows = [r for r in rows if r["call"] == call]
+    rows = sorted((r for r in rows if r["call"] == call), key=lambda r: r["batch_size"])
     config, machine = bench_report["config"], bench_report["machine"]
     cpu = "speedup_over_plain_cpu" in rows[0]
     lines = ["## Measured speed (greedy, side by side with plain `generate`, same run)", "",

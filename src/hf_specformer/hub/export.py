@@ -61,7 +61,16 @@ def complete_hub_folder(model, folder: str | os.PathLike) -> None:
         write_custom_generate(folder)
     if not (folder / "README.md").exists():
         render = cards.render_card if is_drafter else cards.render_companion_card
-        write_card(folder, render(model, name=folder.name))
+        write_card(folder, render(model, name=card_name(model, folder)))
+
+
+def card_name(model, folder: Path) -> str:
+    """The folder's name, or for a temporary folder (an atomic write's `.name.xyz`), one after the model and its
+    target: `specformer-<target>` or `sv-companion-<target>`."""
+    if not folder.name.startswith("."):
+        return folder.name
+    target = Path(str(model.config.target_name_or_path or "target")).name.split(".")[0].lower()
+    return f"{'specformer' if model.config.model_type == 'specformer' else 'sv-companion'}-{target}"
 
 
 def write_card(folder: str | os.PathLike, text: str) -> None:

@@ -38,7 +38,7 @@ from hf_specformer.generation.acceptance import (
     draft_confidence,
     sv_features,
 )
-from hf_specformer.targets import DEFAULT_TARGET, load_target
+from hf_specformer.targets import load_data_target
 from hf_specformer.training.data import load_distilled
 from hf_specformer.training.target_states import next_token_ids, reply_positions, target_hidden_states, tokens_after
 
@@ -91,12 +91,12 @@ def _flat(records: dict, rows: torch.Tensor, features: list[str]):
     return values, torch.full_like(slots, DRAFTER), slots, labels
 
 
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (ties count half), by ranks."""
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """Area under the ROC curve (ties count half), by ranks; None without both labels."""
     positives = labels.bool()
     num_pos, num_neg = int(positives.sum()), int((~positives).sum())
     if num_pos == 0 or num_neg == 0:
-        return float("nan")
+        return None
     sorted_scores, order = scores.double().sort()
     _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
     mean_rank = counts.cumsum(0).double() - (counts.double() - 1) / 2  # tied scores share their mean rank
@@ -174,7 +174,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     """Runs the calibration described in the module docstring; returns the report."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    target = load_data_target(args.data, args.target)
     drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True, dtype=target.dtype).eval()
     drafter.bind_target(target)
     companion = None
@@ -195,7 +195,7 @@ def calibrate(args: argparse.Namespace) -> dict:
             write_table(args.companion, tables["sv"])
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2))
+        Path(args.output).write_text(json.dumps(report, indent=2, allow_nan=False))
     return report
 
 
@@ -204,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", required=True, help="held-out distilled data (a distill output folder)")
     parser.add_argument("--drafter", required=True, help="the drafter folder")
     parser.add_argument("--companion", default=None, help="a companion folder (adds SV's (S, A) estimator)")
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=None, help="default: the one the data was distilled from")
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=None, help="default: the drafter's")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N sequences")

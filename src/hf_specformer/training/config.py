@@ -5,37 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hf_specformer.targets import DEFAULT_TARGET
 
 
 @dataclass
 class DrafterTrainingConfig:
-    """Options of a drafter training run (one field per command-line option, `--field-name`).
+    """Options of a drafter training run: one field per command-line option (`--field-name`), each with its `help`
+    (`hf-specformer train --help`); the ones that need more:
 
     Args:
-        data: self-distilled data: a distill output folder (its `dataset/`, else the records of a run in
-            progress) or a folder written by `Dataset.save_to_disk`, with `input_ids` and `prompt_length`.
-        output_dir: where checkpoints, `metrics.jsonl`, `eval.json` and the exported `drafter/` go.
-        target: the frozen target (`smollm2`, a local folder, a `.gguf` file or a Hub name), loaded in float32.
-        draft_length: l_d, the number of draft slots (all trained with equal weights, unless `loss_slots`).
+        data: a distill output folder (its `dataset/`, else the records of a run in progress) or a `save_to_disk`
+            folder, with `input_ids` and `prompt_length`.
         next_token_input: build the drafter with `SpecFormerConfig.next_token_input` (position t also reads x_{t+1};
             an extension, not in the paper). With `init_from` a drafter without it gains it, starting at zero.
-        epochs: passes over the training split; ignored when `max_steps` is set.
-        max_steps: optimiser steps to run; overrides `epochs` (the data is cycled as needed).
-        per_device_batch_size: sequences per micro-batch and process.
-        gradient_accumulation_steps: micro-batches per optimiser step.
-        learning_rate: peak AdamW learning rate.
-        min_learning_rate: learning rate at the end of the cosine decay.
-        warmup_ratio: fraction of the optimiser steps with a linear warm-up.
-        weight_decay: AdamW weight decay of the matrices (norm scales and biases have none).
-        adam_eps: AdamW epsilon.
-        max_grad_norm: gradient clipping norm; 0 disables clipping.
-        max_length: sequences are cut to this many tokens (prompt included).
         cut_loops: cut each training reply after its first repeat of an N-token window (`data.cut_loops`; held-out
             replies stay whole): greedy answers loop verbatim, which prompt lookup drafts at run time anyway. 0: off.
-        positions_per_sequence: random reply positions per sequence that run the slot stage (0: every position).
-        ce_positions_per_sequence: of those, how many also get the cross-entropy, whose lm_head calls dominate a CPU
-            step (0: all of them).
+        ce_positions_per_sequence: of the slot stage's positions, how many also get the cross-entropy, whose lm_head
+            calls dominate a CPU step (0: all of them).
         feature_loss_weight: w of a smooth-L1 loss between slot j's normed state and the target's last hidden state
             at t + 1 + j (as EAGLE's feature loss; not in the paper's recipe). 0: off.
         soft_label_weight: w_s of soft-label distillation (DistillSpec, arXiv 2310.08461): the forward KL from the
@@ -46,33 +31,23 @@ class DrafterTrainingConfig:
             of the lm_head); 0: no restriction (an `init_from` drafter keeps its own).
         draft_vocab_loss: the losses score only the draft vocabulary (as EAGLE-3 and FR-Spec train), labels outside
             it skipped: the head then costs V_d / V as much. Needs a draft vocabulary.
-        loss_slots: losses on the first N slots only (all l_d still attend to each other); 0: all, the paper's.
-        eval_fraction: share of the sequences held out (seeded shuffle) to measure the accepted length kappa.
         eval_data: a held-out data folder (as `data`) measured instead of a split of `data`, which is then trained
             on whole (needs `eval_fraction` 0): runs on different training sets compare on the same texts.
-        eval_every: evaluate every this many optimiser steps (0: only at the end).
-        save_every: checkpoint every this many optimiser steps (0: never).
-        mixed_precision: `no` or `bf16` (autocast of the target, the drafter and the head; float32 weights).
         target_dtype: dtype the frozen target is loaded in (its hidden states are what the drafter learns from). The
             device is accelerate's (a GPU when there is one; `accelerate launch --cpu` for the CPU).
-        save_dtype: dtype of the exported drafter weights.
-        seed: seed of initialisation, data order, held-out split and position sampling.
-        num_threads: torch CPU threads per process (0: torch's default).
-        resume: continue from the latest checkpoint in `output_dir/checkpoints` (from scratch if there is none).
-        init_from: a drafter folder whose weights start the run (e.g. continued training on more data).
         intermediate_size: width of the slot SwiGLU (0: the target's MLP width, or `init_from`'s); with `init_from`, a
             larger one widens it by splitting units (Net2Net), so the drafter drafts the same at step 0.
         new_parameter_learning_rate_scale: with `init_from`, the learning-rate multiple of the parameters it lacks
             (a new matrix starting at zero would otherwise grow at the fine-tuning pace).
         lora: adapt the `init_from` drafter with a LoRA adapter (PEFT) on its linear layers, its weights frozen; the
             run saves `adapter/` and exports the merged `drafter/` (rerun `calibrate` for its acceptance table).
-        lora_rank, lora_alpha, lora_dropout: the adapter's rank r, scale alpha (updates are scaled by alpha / r) and
-            dropout.
+        lora_rank, lora_alpha, lora_dropout: the adapter's rank r, scale alpha (updates scaled by alpha / r), dropout.
     """
 
     data: str = field(metadata={"help": "Distill output folder or a `save_to_disk` dataset folder."})
     output_dir: str = field(metadata={"help": "Folder for checkpoints, metrics.jsonl, eval.json and drafter/."})
-    target: str = field(default=DEFAULT_TARGET, metadata={"help": "Target model: smollm2, a folder, a .gguf file."})
+    target: str | None = field(default=None, metadata={"help": "Target model: smollm2, a folder, a .gguf file "
+                                                               "(default: the one the data was distilled from)."})
     draft_length: int = field(default=8, metadata={"help": "l_d, the number of draft slots."})
     next_token_input: bool = field(
         default=False, metadata={"help": "The drafter also reads the token after each position (not in the paper)."}

@@ -1,13 +1,9 @@
-"""Self-distillation data: the target answers a prompt set itself (greedy decoding), and we keep its answers.
+"""Self-distillation data: the target answers a prompt set itself (greedy), and its answers are kept.
 
-A drafter trained on these answers learns the target's own distribution, which is what speculative decoding
-rewards. This is the batch job's answering (`hf_specformer.data.answering`) with distillation's settings: greedy,
-chat template, prompts shuffled with `--seed` (so `--limit` takes a sample of every part of the set), plain
-`generate` unless `--drafter` (speculation is lossless, so a drafter only makes it faster: with the shipped
-drafter for SmolLM2, or a first drafter when distilling more data for a second one). Resumable and sharded under
-`accelerate launch` like the job; the records become `<output>/dataset`.
-
-Run it with `hf-specformer distill ...` or `python -m hf_specformer.training.distill ...`.
+A drafter trained on them learns the target's own distribution, which speculative decoding rewards. This is the batch
+job's answering (`data.answering`) with distillation's settings: greedy, chat template, prompts shuffled with
+`--seed` (so `--limit` samples every part of the set), plain `generate` unless `--drafter` (lossless, only faster).
+Resumable and sharded like the job; the records become `<output>/dataset`. `hf-specformer distill ...`.
 """
 
 from __future__ import annotations

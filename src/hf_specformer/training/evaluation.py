@@ -119,7 +119,7 @@ def label_probabilities(target: PreTrainedModel, hidden_states: tuple[torch.Tens
 
 def confidence_bins(hits: torch.Tensor, confidence: torch.Tensor, edges: Sequence[float] = CONFIDENCE_EDGES) -> list:
     """Slot-1 top-1 accuracy per bin of the target's own probability of the label: `[{"low", "high", "share",
-    "accuracy"}]` (`hits` bool `[N]`, `confidence` `[N]`; accuracy NaN for an empty bin). Two texts on which the
+    "accuracy"}]` (`hits` bool `[N]`, `confidence` `[N]`; accuracy None for an empty bin). Two texts on which the
     drafter scores differently within the same bins differ in what the drafter has learnt, not in how predictable
     the target's text is."""
     bounds = [0.0, *edges, 1.0]
@@ -128,7 +128,7 @@ def confidence_bins(hits: torch.Tensor, confidence: torch.Tensor, edges: Sequenc
         inside = (confidence >= low) & ((confidence < high) | (high == 1.0))
         count = int(inside.sum())
         rows.append({"low": low, "high": high, "share": count / max(len(hits), 1),
-                     "accuracy": float(hits[inside].double().mean()) if count else float("nan")})
+                     "accuracy": float(hits[inside].double().mean()) if count else None})
     return rows
 
 
@@ -139,22 +139,15 @@ def evaluate_kappa(
 ) -> dict:
     """Teacher-forced accepted length kappa(k) for k = 1..max_k and per-slot top-1 accuracy on held-out sequences.
 
-    `dataset` yields rows with `input_ids` (already cut to length) and `prompt_length`. The walk of each sequence
-    starts at its last prompt position (where the target emits the first reply token) and counts the target's own
-    token, which equals the label because the data is the target's greedy output. kappa(k) = total steps' tokens /
-    number of steps over all sequences, in [1, k + 1]. `slot_accuracy[j]`: slot j's top-1 accuracy at every
-    position; `slot_acceptance[j]`: the share of the k = max_k walk's steps that accept slot j (all slots before it
-    accepted too), which is what live decoding reports (`SpecStats.acceptance_by_position`).
-
-    Two breakdowns separate the causes of a low slot-1 accuracy: `slot1_by_target_confidence` (`confidence_bins`:
-    accuracy per bin of the target's own probability of the label, so a harder text shows as more positions in the
-    low bins, a drafter that has not learnt the text as lower accuracy within the same bins) and
-    `draft_vocab_coverage` (the share of slot-1 labels the drafter can draft at all; 1.0 without a draft vocabulary).
-    With `lookup_ngram_sizes` (e.g. 2..4, as the engine matches), `BEST_OF_LOOKUP` is kappa at k = max_k when each
-    step takes the better of the drafter's drafts and prompt lookup's at those n (`best_of_lookup_steps`).
+    `dataset` yields rows with `input_ids` (cut to length) and `prompt_length`; each walk starts at the last prompt
+    position. kappa(k) = tokens / steps over all sequences, in [1, k + 1]; `slot_accuracy[j]`: slot j's top-1
+    accuracy at every position; `slot_acceptance[j]`: the share of the k = max_k walk's steps accepting slot j (as
+    `SpecStats.acceptance_by_position` reports live). `slot1_by_target_confidence` (`confidence_bins`) and
+    `draft_vocab_coverage` separate the causes of a low slot 1; with `lookup_ngram_sizes`, `BEST_OF_LOOKUP` is kappa
+    when each step takes the better of the drafter's and prompt lookup's drafts (`best_of_lookup_steps`).
     Returns `{"kappa", "slot_accuracy", "slot_acceptance": [max_k floats], "slot1_by_target_confidence": [...],
-    "draft_vocab_coverage": float, "mean_target_confidence": float, "num_steps", "num_sequences",
-    "num_positions": int}` (and `BEST_OF_LOOKUP: float`).
+    "draft_vocab_coverage", "mean_target_confidence": float, "num_steps", "num_sequences", "num_positions": int}`
+    (and `BEST_OF_LOOKUP: float`).
     """
     was_training = drafter.training
     drafter.eval()
@@ -191,17 +184,17 @@ def evaluate_kappa(
     first_hits, confidences, covered = (torch.cat(values) if values else torch.zeros(0)
                                         for values in (first_hits, confidences, covered))
     report = {
-        "kappa": [sum(s) / len(s) if s else float("nan") for s in steps],
+        "kappa": [sum(s) / len(s) if s else None for s in steps],
         "slot_accuracy": (hits / counts.clamp(min=1)).tolist(),
-        "slot_acceptance": [float((walk >= slot + 2).double().mean()) if len(walk) else float("nan")
+        "slot_acceptance": [float((walk >= slot + 2).double().mean()) if len(walk) else None
                             for slot in range(max_k)],
         "slot1_by_target_confidence": confidence_bins(first_hits, confidences),
-        "draft_vocab_coverage": float(covered.double().mean()) if len(covered) else float("nan"),
-        "mean_target_confidence": float(confidences.double().mean()) if len(confidences) else float("nan"),
+        "draft_vocab_coverage": float(covered.double().mean()) if len(covered) else None,
+        "mean_target_confidence": float(confidences.double().mean()) if len(confidences) else None,
         "num_steps": len(walk),
         "num_sequences": num_sequences,
         "num_positions": num_positions,
     }
     if lookup_ngram_sizes:
-        report[BEST_OF_LOOKUP] = sum(bound_steps) / len(bound_steps) if bound_steps else float("nan")
+        report[BEST_OF_LOOKUP] = sum(bound_steps) / len(bound_steps) if bound_steps else None
     return report

@@ -117,15 +117,10 @@ def intra_batch_backward(
         drafter: the (unwrapped, bound) drafter whose `compute_logits` applies the target's norm and head.
         slot_hidden: slot states `[B, P, l_d, d]` still attached to the SpecFormer graph.
         labels: `[B, P, l_d]`, -100 where a slot has no target token.
-        backward: `backward(tensor, gradient)` for the final backward through SpecFormer, e.g. a wrapper of
-            `accelerator.backward`; default `tensor.backward(gradient)`.
-        feature_targets: `[B, P, l_d, d]` the target's last hidden state that predicts each slot's label; needed
-            when `feature_weight` or `soft_label_weight` > 0.
-        feature_weight: w_f (see `DrafterTrainingConfig.feature_loss_weight`).
-        num_ce_positions: the cross-entropy and the soft-label loss cover the first this many of the P positions
-            (0: all).
-        soft_label_weight: w_s, the weight of `slot_soft_label_loss` against the target's distribution, the lm_head
-            of `feature_targets` (see `DrafterTrainingConfig.soft_label_weight`).
+        backward: `backward(tensor, gradient)` for the final backward (e.g. `accelerator.backward`'s wrapper).
+        feature_targets: `[B, P, l_d, d]` the target's last hidden state predicting each slot's label (for w_f, w_s).
+        feature_weight, soft_label_weight: w_f and w_s (`DrafterTrainingConfig`).
+        num_ce_positions: the cross-entropy and soft labels cover the first this many of the P positions (0: all).
         draft_vocab_loss: score the drafter's draft vocabulary alone (`draft_vocab_logits`, V_d columns) for the
             cross-entropy and the soft labels; labels outside it are skipped (see
             `DrafterTrainingConfig.draft_vocab_loss`).

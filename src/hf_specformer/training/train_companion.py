@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from hf_specformer.models import CompanionConfig, CompanionForVerification
-from hf_specformer.targets import DEFAULT_TARGET, load_target
+from hf_specformer.targets import load_data_target
 from hf_specformer.training.checkpointing import (
     StopOnSignal,
     TrainerState,
@@ -45,7 +45,7 @@ class CompanionTrainingConfig:
 
     data: str
     output: str
-    target: str = DEFAULT_TARGET
+    target: str | None = None  # None: the one the data was distilled from
     vocab_from: str | None = None
     companion_size: int = 256
     num_attention_heads: int = 4
@@ -163,7 +163,7 @@ def train_companion(config: CompanionTrainingConfig, target=None, dataset=None, 
         torch.set_num_threads(config.threads)
     accelerator = Accelerator()
     output = Path(config.output)
-    target = target if target is not None else load_target(config.target, device=accelerator.device)
+    target = target if target is not None else load_data_target(config.data, config.target, device=accelerator.device)
     companion = build_companion(config, target)
     dataset = dataset if dataset is not None else load_distilled(config.data)
     train_rows, eval_rows = split_train_eval(dataset, config.max_length, config.eval_fraction, config.seed)

@@ -13,6 +13,8 @@ x_{t+2+j} of the reply (`losses.py`). The vocabulary-sized logits are never buil
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import logging
 import math
@@ -33,7 +35,7 @@ from transformers import HfArgumentParser, PreTrainedModel
 
 from hf_specformer.hub.export import export_drafter
 from hf_specformer.models.specformer import SpecFormerConfig, SpecFormerForDrafting
-from hf_specformer.targets import DTYPES, load_target
+from hf_specformer.targets import DTYPES, load_data_target
 from hf_specformer.training.checkpointing import (
     StopOnSignal,
     TrainerState,
@@ -263,7 +265,7 @@ def run_evaluation(
     if accelerator.is_main_process and len(eval_set) > 0:
         evaluation = evaluate_heldout(target, accelerator.unwrap_model(drafter), eval_set, config)
         append_metrics(path, {"step": state.step, "eval": evaluation})
-        logger.info("step %d: kappa %s", state.step, [round(value, 3) for value in evaluation["kappa"]])
+        logger.info("step %d: kappa %s", state.step, [value and round(value, 3) for value in evaluation["kappa"]])
     accelerator.wait_for_everyone()
     return evaluation
 
@@ -287,7 +289,8 @@ def train(
     output_dir.mkdir(parents=True, exist_ok=True)
     set_seed(config.seed)
 
-    target = load_target(config.target, dtype=DTYPES[config.target_dtype]) if target is None else target
+    if target is None:
+        target = load_data_target(config.data, config.target, dtype=DTYPES[config.target_dtype])
     target = target.requires_grad_(False).eval().to(accelerator.device)
     dataset = load_distilled(config.data) if dataset is None else dataset
     train_set, eval_set = split_train_eval(dataset, config.max_length, config.eval_fraction, config.seed)
@@ -365,7 +368,7 @@ def train(
         summary = {"step": state.step, "num_processes": accelerator.num_processes, **evaluation}
         if initial:
             summary["initial"] = initial
-        write_atomically(output_dir / EVAL_FILE, json.dumps(summary, indent=2))
+        write_atomically(output_dir / EVAL_FILE, json.dumps(summary, indent=2, allow_nan=False))
     accelerator.wait_for_everyone()
     return TrainingResult(drafter=unwrapped, optimizer=optimizer, state=state, evaluation=evaluation)
 
@@ -403,6 +406,14 @@ def export_trained(
 def parse_config(argv: list[str] | None = None) -> DrafterTrainingConfig:
     """`DrafterTrainingConfig` from command-line options (`--output-dir` or `--output_dir`, `--resume`, ...)."""
     parser = HfArgumentParser(DrafterTrainingConfig, prog="hf-specformer train", description=__doc__.split("\n\n")[0])
+    for action in parser._actions:  # dashes in help and usage, as every other command; underscores still parse
+        dashed = [option.replace("_", "-") for option in action.option_strings]
+        for option in dashed:
+            parser._option_string_actions.setdefault(option, action)
+        action.option_strings = list(dict.fromkeys(dashed))
+        if action.default is None:  # no "(default: None)": the field's own default applies
+            action.default, action.help = argparse.SUPPRESS, f"{action.help} (required)" if action.required \
+                else action.help
     (config,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     return config
 

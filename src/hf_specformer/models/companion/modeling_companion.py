@@ -12,17 +12,10 @@ Data flow for a row whose last accepted input is at position t, with k drafts (B
     -> (causal self-attention over the chain) + residual -> (SwiGLU) + residual -> W_out (c -> d)    [B, k, d]
     -> the target's final norm -> the target's lm_head (companion vocabulary rows) -> logits           [B, k, V]
 
-Position j scores the token after chain_j, i.e. draft d_{j+1}'s position. Why this design (choices the paper leaves
-to us, since its companion is just another LM):
-- It reads the drafted tokens: SpecFormer drafts all k slots from one state without seeing its own earlier drafts,
-  so a model conditioned on them knows what the drafter cannot (whether d_2 follows from d_1), the information
-  Speculative Verification needs (I(X; S, A) > 0 needs a companion not independent of the target given the draft).
-- It needs no cache of its own and no context attention: the target's state at t summarises the context. Cost per
-  step: a block over B * k positions at width c plus a head of V_c rows (the drafter's draft vocabulary).
-- Final norm, lm_head and embeddings are the target's (bound at run time, never saved), as for the drafter.
-- Trained by self-distillation (`hf-specformer train-companion`): cross-entropy on the target's own greedy answers
-  with the true continuation as the chain (teacher forcing: at inference only positions whose earlier drafts were
-  right matter, and there the drafts are the true tokens).
+Position j scores draft d_{j+1}. It reads the drafted tokens, which SpecFormer drafts without seeing (the information
+SV needs: whether d_2 follows from d_1); the target's state at t summarises the context, so it needs no cache; its
+final norm, lm_head and embeddings are the target's, bound at run time. Trained by self-distillation with the true
+continuation as the chain (`hf-specformer train-companion`).
 
 This file is shipped to the Hub as remote code: it imports only torch, transformers and its sibling config.
 """

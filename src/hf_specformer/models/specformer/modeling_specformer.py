@@ -18,16 +18,11 @@ asked for, k = drafts):
 Slot j at position t predicts token x_{t+2+j}: the target's own head at t already predicts x_{t+1}.
 
 Choices where the paper is silent (documented here once):
-- The slot stage runs only at the positions asked for (`draft_positions`, default: the last one), never at every
-  context position: it is the expensive part (l_d x the width of the context stage, plus k lm_head calls).
-- All l_d slots take part in the slot attention and only the first k go through the SwiGLU and the head, as in the
-  official code (`set_max_predict`), so k <= l_d is free to change per call.
-- The slot attention has no RoPE: slots are told apart by the positional FFN's per-slot weights and bias.
-- The final norm and lm_head are the target's and are *not* part of this model's weights: `bind_target` attaches
-  them at run time (and checks that the target matches), so a checkpoint never duplicates the vocabulary matrix.
-- Extension (`config.next_token_input`, off by default): position t may also read x_{t+1}, the token the target
-  committed after it (at drafting time: the correction/bonus token), through the target's input embeddings (bound
-  like the head). Without it, slot 1 guesses x_{t+2} without knowing x_{t+1}.
+- The slot stage runs only at the positions asked for (`draft_positions`, default: the last one): it is the dear part.
+- All l_d slots take part in the slot attention and only the first k reach the SwiGLU and the head, as in the
+  official code (`set_max_predict`), so k <= l_d may change per call. The slot attention has no RoPE.
+- The final norm and lm_head are the target's, attached at run time by `bind_target` (which checks the target),
+  never saved. Extension (`config.next_token_input`): position t also reads x_{t+1} through the target's embeddings.
 
 This file is shipped to the Hub as remote code: it imports only torch, transformers and its sibling config.
 """

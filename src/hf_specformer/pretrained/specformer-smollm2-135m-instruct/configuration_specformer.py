@@ -36,19 +36,11 @@ class SpecFormerConfig(PreTrainedConfig):
         target_model_type (`str`, *optional*): `model_type` of the target the drafter was built for.
         target_architecture (`str`, *optional*): class name of that target (e.g. `LlamaForCausalLM`).
         target_name_or_path (`str`, *optional*): where that target came from, for model cards and error messages.
-        draft_vocab_size (`int`, *optional*): V_d. When set, drafts come only from the V_d token ids in the
-            model's `draft_vocab_ids` buffer (saved with the weights; see `SpecFormerForDrafting.set_draft_vocab`),
-            so the draft head multiplies by V_d rows of the target's lm_head instead of all V (a reduced draft
-            vocabulary, as in EAGLE-3 and FR-Spec). The other tokens get logit -inf. Verification still uses the
-            target's full distribution, so outputs are unchanged. `None`: the whole vocabulary.
-        next_token_input (`bool`): an extension, not in the paper (off by default). Each context position t also
-            reads the embedding of the token that follows it, x_{t+1}, through the target's input embeddings, as
-            EAGLE does. At drafting time x_{t+1} is the correction/bonus token the target has just committed, so
-            slot 1 no longer guesses x_{t+2} blind to x_{t+1}. Costs one embedding lookup and one d x d matrix per
-            position; the projection starts at zero, so a drafter trained without it can be fine-tuned with it.
-        acceptance_table (`dict`, *optional*): the calibrated table mapping the drafter's confidence in each draft
-            (per slot) to P(accept), written by `hf-specformer calibrate`; the goodput scheduler starts from it
-            (without it, from P = confidence).
+        draft_vocab_size (`int`, *optional*): V_d: drafts only from the `draft_vocab_ids` buffer's tokens, so the
+            head reads V_d rows of the lm_head (as EAGLE-3 and FR-Spec); verification still uses all V. None: all.
+        next_token_input (`bool`): an extension, not in the paper: position t also reads the embedding of x_{t+1}
+            (at drafting time the token the target just committed), as EAGLE does; its projection starts at zero.
+        acceptance_table (`dict`, *optional*): confidence per slot -> P(accept), from `hf-specformer calibrate`.
         attention_dropout (`float`): dropout on attention probabilities during training.
         initializer_range (`float`): std of the normal init of linear weights.
     """

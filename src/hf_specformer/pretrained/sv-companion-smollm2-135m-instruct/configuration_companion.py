@@ -22,14 +22,12 @@ class CompanionConfig(PreTrainedConfig):
         intermediate_size (`int`): width of its SwiGLU.
         max_chain_length (`int`): longest chain of drafted positions scored at once (k <= this).
         vocab_size (`int`): the target's vocabulary (checked when binding).
-        companion_vocab_size (`int`, *optional*): V_c. When set, P_c covers only the ids in the `vocab_ids` buffer
-            (usually the drafter's draft vocabulary, so S compares distributions over the same support); other
-            tokens get probability 0.
+        companion_vocab_size (`int`, *optional*): V_c: P_c covers only the `vocab_ids` buffer's ids (the drafter's
+            draft vocabulary, so S compares distributions over one support).
         rms_norm_eps (`float`): epsilon of its RMSNorms.
         target_model_type, target_architecture, target_name_or_path (`str`, *optional*): the target it was built
             for (binding to another fails loudly).
-        acceptance_table (`dict`, *optional*): the calibrated (S, A) -> P(accept) table written by
-            `hf-specformer calibrate` (`AcceptanceTable.to_dict`); without it the scheduler starts from P = A.
+        acceptance_table (`dict`, *optional*): (S, A) -> P(accept), from `hf-specformer calibrate` (default P = A).
         initializer_range (`float`): std of the normal init of linear weights.
     """
 

@@ -371,11 +371,9 @@ def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None) ->
     accepted = [int(value) for value in values[size + 1: 2 * size + 1]] if num_accepted is not None else []
     host, end = [], len(values)
     for part in (plan.free, plan.scores):  # from the end
-        if part is not None:
-            host.append(torch.tensor(values[end - part.numel(): end], dtype=torch.float64).view(part.shape))
-            end -= part.numel()
-        else:
-            host.append(None)
+        start = end - (0 if part is None else part.numel())
+        host.append(None if part is None else torch.tensor(values[start:end], dtype=torch.float64).view(part.shape))
+        end = start
     free, scores = host
     if scores is not None:
         scores.mul_(torch.tensor([[not done] for done in finished], dtype=torch.float64))
@@ -492,8 +490,5 @@ def _plain_decode(model, input_ids, logits_processor, stopping_criteria, generat
 def _until_end(tokens: list[int], eos: set[int], pad: int) -> list[int]:
     """A row of transformers' loop up to its first end-of-sequence token, else without its trailing padding."""
     end = next((i + 1 for i, token in enumerate(tokens) if token in eos), None)
-    if end is None:
-        end = len(tokens)
-        while end and tokens[end - 1] == pad:
-            end -= 1
-    return tokens[:end]
+    padding = next((i for i, token in enumerate(reversed(tokens)) if token != pad), len(tokens))
+    return tokens[:end] if end is not None else tokens[: len(tokens) - padding]
