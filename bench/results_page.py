@@ -11,7 +11,8 @@ BENCH = Path(__file__).parent
 REPORTS = {
     "smollm2_cpu_before_after": ("SmolLM2, MT-bench first turns: ours before and after the lean engine",
                                  "python bench/before_after.py --before WORKTREE_OF_c91b218 --prompts mtbench "
-                                 "--min-rows 8 --output bench/smollm2_cpu_before_after"),
+                                 "--min-rows 4 --batch-sizes 1 8 32 4 16 64 --output "
+                                 "bench/smollm2_cpu_before_after"),
     "smollm2_cpu": ("SmolLM2, MT-bench first turns (`make bench`)",
                     "hf-specformer bench --prompts mtbench --min-rows 8 --output bench/smollm2_cpu"),
     "smollm2_cpu_passages": ("SmolLM2, summaries of and questions over 600-1,300-token passages",

@@ -13,7 +13,6 @@ x_{t+2+j} of the reply (`losses.py`). The vocabulary-sized logits are never buil
 
 from __future__ import annotations
 
-import argparse
 
 import json
 import logging
@@ -411,9 +410,8 @@ def parse_config(argv: list[str] | None = None) -> DrafterTrainingConfig:
         for option in dashed:
             parser._option_string_actions.setdefault(option, action)
         action.option_strings = list(dict.fromkeys(dashed))
-        if action.default is None:  # no "(default: None)": the field's own default applies
-            action.default, action.help = argparse.SUPPRESS, f"{action.help} (required)" if action.required \
-                else action.help
+        if action.default is None and action.help:  # no "(default: None)" (`%(default).0s` prints nothing)
+            action.help += (" (required)" if action.required else "") + "%(default).0s"
     (config,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     return config
 
