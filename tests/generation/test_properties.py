@@ -4,7 +4,8 @@ noisy oracle, EOS ids reached mid-way, min/max new tokens, repetition penalty, s
 suffix drafts on/off, compaction policy, both schedules (goodput, fixed k, confidence threshold) and continuous
 batching (all rows at once, or 1, 3 or 8 slots with the others admitted as rows finish), on Llama and Qwen3 targets.
 
-`PROPERTY_EXAMPLES` cases run per CI run; hypothesis draws them from a random seed and, on a failure, prints the
+`PROPERTY_EXAMPLES` cases run per CI run, in four shards (target kind x proposer) that pytest-xdist runs side by side;
+hypothesis draws them from a random seed and, on a failure, prints the
 falsifying case, the run's seed (`--hypothesis-seed=...`, also in the header) and a `@reproduce_failure` blob.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from conftest import TINY_VOCAB, make_drafter, make_target
 from helpers import PAD, TEST_STEP_COSTS, char_tokenizer, make_batch, noisy_oracle
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 from hf_specformer import generate
 
 PROPERTY_EXAMPLES = 400
+SHARDS = [(kind, proposer) for kind in ("llama", "qwen3") for proposer in ("drafter", "oracle")]
 DRAFT_LENGTH = 4
 
 SCHEDULES = {
@@ -43,16 +46,16 @@ def tokenizer():
 
 
 @st.composite
-def cases(draw) -> dict:
+def cases(draw, kind: str, proposer: str) -> dict:
     max_new_tokens = draw(st.integers(1, 24))
     return dict(
-        kind=draw(st.sampled_from(["llama", "qwen3"])),
+        kind=kind,
         batch_size=draw(st.integers(1, 64)),
         max_len=draw(st.integers(1, 16)),
         padded=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
         k=draw(st.integers(1, DRAFT_LENGTH)),
-        proposer=draw(st.sampled_from(["drafter", "oracle"])),
+        proposer=proposer,
         corrupt=draw(st.sampled_from([0.0, 0.2, 0.6])),
         max_new_tokens=max_new_tokens,
         min_new_tokens=draw(st.integers(0, max_new_tokens)),
@@ -87,10 +90,12 @@ def _generation_kwargs(case: dict, target, input_ids, mask) -> dict:
     return kwargs
 
 
-@settings(max_examples=PROPERTY_EXAMPLES, deadline=None, print_blob=True,
+@pytest.mark.parametrize("kind, proposer", SHARDS)
+@settings(max_examples=PROPERTY_EXAMPLES // len(SHARDS), deadline=None, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(case=cases())
-def test_greedy_speculation_equals_generate(case):
+@given(data=st.data())
+def test_greedy_speculation_equals_generate(kind, proposer, data):
+    case = data.draw(cases(kind, proposer), label="case")
     target, drafter = models(case["kind"])
     input_ids, mask = make_batch(case["batch_size"], seed=case["seed"], padded=case["padded"],
                                  min_len=1, max_len=case["max_len"])

@@ -17,6 +17,11 @@ from hf_specformer.training.synthesize import (
 NUM_PROMPTS, BATCH_SIZE, MAX_NEW_TOKENS = 6, 4, 48
 
 
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target()
+
+
 def test_user_turn_prefix_is_the_template_before_the_message(tokenizer):
     prefix = tokenizer.decode(user_turn_prefix_ids(tokenizer))
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False)
@@ -25,8 +30,8 @@ def test_user_turn_prefix_is_the_template_before_the_message(tokenizer):
 
 
 @pytest.mark.slow
-def test_smollm2_writes_distinct_prompts_and_resumes_reproducibly(tokenizer, tmp_path):
-    target = load_target()
+def test_smollm2_writes_distinct_prompts_and_resumes_reproducibly(smollm2, tokenizer, tmp_path):
+    target = smollm2
     path = tmp_path / "prompts.jsonl"
     kwargs = dict(batch_size=BATCH_SIZE, max_new_tokens=MAX_NEW_TOKENS, progress=False)
     prompts = synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), **kwargs)
@@ -63,13 +68,13 @@ def test_a_target_that_never_closes_its_turn_is_an_error(tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_categories_steer_the_system_prompt_batch_by_batch(tokenizer, tmp_path):
+def test_categories_steer_the_system_prompt_batch_by_batch(smollm2, tokenizer, tmp_path):
     """SmolLM2 writes prompts under category system prompts: batch b's template carries category b mod n's, and its
     records name that category; the categories are part of the run's identity (a resume with others is refused),
     and unknown ones are an error."""
     writing = user_turn_prefix_ids(tokenizer, CATEGORY_SYSTEM_PROMPTS["writing"])
     assert tokenizer.decode(writing).endswith(CATEGORY_SYSTEM_PROMPTS["writing"] + "<|im_end|>\n<|im_start|>user\n")
-    target = load_target()
+    target = smollm2
     path = tmp_path / "p.jsonl"
     kwargs = dict(batch_size=3, max_new_tokens=MAX_NEW_TOKENS, progress=False)
     synthesize_prompts(target, tokenizer, 6, str(path), categories=["math", "coding"], **kwargs)

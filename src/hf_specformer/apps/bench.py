@@ -160,9 +160,10 @@ class PhaseTimer:
     """Seconds inside the target's forwards and inside proposing, over a call (forward hooks, `time.perf_counter`)."""
 
     def __init__(self, target, proposer: Proposer | None):
-        self.forward = self.proposing = 0.0
-        self.forwards = 0
-        self.handles = [target.register_forward_pre_hook(self._start), target.register_forward_hook(self._stop)]
+        self.forward = self.proposing = self.started = 0.0
+        self.forwards, self.proposer = 0, proposer
+        self.handles = [target.register_forward_pre_hook(lambda *a: setattr(self, "started", time.perf_counter())),
+                        target.register_forward_hook(self._stop)]
         if proposer is not None:
             propose = proposer.propose
 
@@ -172,10 +173,6 @@ class PhaseTimer:
                 self.proposing += time.perf_counter() - start
                 return result
             proposer.propose = timed_propose
-        self.proposer = proposer
-
-    def _start(self, *args):
-        self.started = time.perf_counter()
 
     def _stop(self, *args):
         self.forward += time.perf_counter() - self.started
@@ -259,12 +256,11 @@ def plot(rows: list[dict], path: Path, host: bool) -> None:
                 row = next(r for r in rows if r["call"] == call and r["batch_size"] == size)
                 labels.append(f"B={size}\n{call}\n{row['speedup']:.2f}x")
                 bottoms.append(row)
-        for phase, colour in (("ms_target_forward", "tab:blue"), ("ms_drafting", "tab:orange"),
-                              ("ms_rest", "tab:grey")):
-            base = [sum(r[p] for p in ("ms_target_forward", "ms_drafting", "ms_rest")[:["ms_target_forward",
-                    "ms_drafting", "ms_rest"].index(phase)]) for r in bottoms]
-            axis.bar(range(len(bottoms)), [r[phase] for r in bottoms], bottom=base, color=colour,
-                     label=phase.removeprefix("ms_").replace("_", " "))
+        base = [0.0] * len(bottoms)
+        for phase, colour in (("ms_target_forward", "tab:blue"), ("ms_drafting", "tab:orange"), ("ms_rest", "grey")):
+            heights = [r[phase] for r in bottoms]
+            axis.bar(range(len(bottoms)), heights, bottom=base, color=colour, label=phase[3:].replace("_", " "))
+            base = [b + h for b, h in zip(base, heights)]
         axis.set_xticks(range(len(labels)), labels, fontsize=6)
         axis.set_ylabel("ms per target forward")
         axis.set_title("Host cost per step: tiny Llama, fp32, one thread")
@@ -338,8 +334,5 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = args.batch_sizes if args.batch_sizes != build_parser().get_default("batch_sizes") else [1, 32]
         return _write({"machine": describe_machine("cpu", "float32"), "results": host_overhead(sizes)}, args.output,
                       host=True)
-    config = BenchConfig(target=args.target, drafter=args.drafter, prompts=args.prompts, batch_sizes=args.batch_sizes,
-                         schedules=args.schedules, oracle=args.oracle, max_new_tokens=args.max_new_tokens,
-                         min_rows=args.min_rows, rounds=args.rounds, dtype=args.dtype, device=args.device,
-                         threads=args.threads, output=args.output)
-    return run_benchmark(config)
+    fields = {name: value for name, value in vars(args).items() if name != "host_overhead"}
+    return run_benchmark(BenchConfig(**fields))

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=12, help="prompts of the mixed set (default: %(default)s)")
     parser.add_argument("--slots", type=int, default=4, help="rows at once in the batch job (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--plot", default="outputs/demo.png", help="PNG of the timings ('' for none)")
@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device or default_device())
     tokenizer = load_tokenizer(args.target)
     drafter = load_drafter(args.drafter, target)
