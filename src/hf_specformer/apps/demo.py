@@ -151,8 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     target = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device or default_device())
     tokenizer = load_tokenizer(args.target)
     drafter = load_drafter(args.drafter, target)

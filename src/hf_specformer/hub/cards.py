@@ -13,23 +13,14 @@ def _yaml_results(lines: list[str]) -> str:
     return "".join("\n" + line for line in lines) if lines else " []"
 
 
-CARD_TEMPLATE = """---
-library_name: transformers
-pipeline_tag: text-generation
-{base_model_yaml}tags:
-- speculative-decoding
-- draft-model
-- specformer
-- custom_generate
-- custom_code
-license: apache-2.0
-model-index:
-- name: {name}
-  results:{results}
----
+def _header(*tags: str) -> str:
+    """A card's YAML header and title, its fields left for `format`."""
+    return ("---\nlibrary_name: transformers\npipeline_tag: text-generation\n{base_model_yaml}tags:\n" +
+            "".join(f"- {tag}\n" for tag in tags) +
+            "license: apache-2.0\nmodel-index:\n- name: {name}\n  results:{results}\n---\n\n# {name}\n")
 
-# {name}
 
+CARD_TEMPLATE = _header("speculative-decoding", "draft-model", "specformer", "custom_generate", "custom_code") + """
 A SpecFormer drafter (Shi et al., AAAI-26, arXiv 2511.20340) for **{base_model}**, trained by self-distillation
 with [hf-specformer](https://github.com/hf-specformer/hf-specformer). It drafts {k} tokens in one forward from the
 target's hidden states (layers {hooks}), and this repository also serves the batched, lossless speculative
@@ -146,21 +137,7 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
     )
 
 
-COMPANION_CARD_TEMPLATE = """---
-library_name: transformers
-pipeline_tag: text-generation
-{base_model_yaml}tags:
-- speculative-decoding
-- speculative-verification
-- custom_code
-license: apache-2.0
-model-index:
-- name: {name}
-  results:{results}
----
-
-# {name}
-
+COMPANION_CARD_TEMPLATE = _header("speculative-decoding", "speculative-verification", "custom_code") + """
 A Speculative Verification companion (Kim et al., arXiv 2509.24328) for **{base_model}**, trained by
 self-distillation with [hf-specformer](https://github.com/hf-specformer/hf-specformer). At each drafted position it
 gives its own distribution P_c; from P_c and the drafter's P_d the goodput scheduler reads S = sum_v min(P_d, P_c)
