@@ -5,8 +5,8 @@ suffix drafts on/off, compaction policy, both schedules (goodput, fixed k, confi
 batching (all rows at once, or 1, 3 or 8 slots with the others admitted as rows finish), on Llama and Qwen3 targets.
 
 `PROPERTY_EXAMPLES` cases run per CI run, in four shards (target kind x proposer) that pytest-xdist runs side by side;
-hypothesis draws them from a random seed and, on a failure, prints the
-falsifying case, the run's seed (`--hypothesis-seed=...`, also in the header) and a `@reproduce_failure` blob.
+hypothesis draws them from a random seed and, on a failure, prints the falsifying case, the run's seed
+(`--hypothesis-seed=...`, also in the header) and a `@reproduce_failure` blob.
 """
 
 from __future__ import annotations

@@ -31,10 +31,9 @@ def test_user_turn_prefix_is_the_template_before_the_message(tokenizer):
 
 @pytest.mark.slow
 def test_smollm2_writes_distinct_prompts_and_resumes_reproducibly(smollm2, tokenizer, tmp_path):
-    target = smollm2
     path = tmp_path / "prompts.jsonl"
     kwargs = dict(batch_size=BATCH_SIZE, max_new_tokens=MAX_NEW_TOKENS, progress=False)
-    prompts = synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), **kwargs)
+    prompts = synthesize_prompts(smollm2, tokenizer, NUM_PROMPTS, str(path), **kwargs)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(prompts) == len(set(prompts)) == NUM_PROMPTS and all(p and p == p.strip() for p in prompts)
     assert [record["id"] for record in records] == list(range(NUM_PROMPTS))
@@ -44,21 +43,21 @@ def test_smollm2_writes_distinct_prompts_and_resumes_reproducibly(smollm2, token
     # A kill during the second batch: the first batch's records and a half-written line are on disk.
     first_batch = [line for line, record in zip(path.read_text().splitlines(), records) if record["batch"] == 0]
     path.write_text("".join(line + "\n" for line in first_batch) + first_batch[-1][:15])
-    assert synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), **kwargs) == prompts
+    assert synthesize_prompts(smollm2, tokenizer, NUM_PROMPTS, str(path), **kwargs) == prompts
     assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == prompts
 
-    assert synthesize_prompts(target, tokenizer, 2, str(path), **kwargs) == prompts[:2]  # already there
+    assert synthesize_prompts(smollm2, tokenizer, 2, str(path), **kwargs) == prompts[:2]  # already there
     with pytest.raises(ValueError, match="seed"):
-        synthesize_prompts(target, tokenizer, NUM_PROMPTS, str(path), seed=1, **kwargs)
+        synthesize_prompts(smollm2, tokenizer, NUM_PROMPTS, str(path), seed=1, **kwargs)
 
     # A new set that excludes the first three: the same seed samples the same messages, so it keeps the other three
     # first, and the exclusions are part of the run's identity.
     other = str(tmp_path / "other.jsonl")
     excluded = [" " + prompt for prompt in prompts[:3]]  # compared stripped
-    again = synthesize_prompts(target, tokenizer, NUM_PROMPTS, other, exclude=excluded, **kwargs)
+    again = synthesize_prompts(smollm2, tokenizer, NUM_PROMPTS, other, exclude=excluded, **kwargs)
     assert again[:3] == prompts[3:] and not set(again) & set(prompts[:3]) and len(set(again)) == NUM_PROMPTS
     with pytest.raises(ValueError, match="excluded"):
-        synthesize_prompts(target, tokenizer, NUM_PROMPTS, other, **kwargs)
+        synthesize_prompts(smollm2, tokenizer, NUM_PROMPTS, other, **kwargs)
 
 
 def test_a_target_that_never_closes_its_turn_is_an_error(tokenizer, tmp_path):
@@ -74,15 +73,14 @@ def test_categories_steer_the_system_prompt_batch_by_batch(smollm2, tokenizer, t
     and unknown ones are an error."""
     writing = user_turn_prefix_ids(tokenizer, CATEGORY_SYSTEM_PROMPTS["writing"])
     assert tokenizer.decode(writing).endswith(CATEGORY_SYSTEM_PROMPTS["writing"] + "<|im_end|>\n<|im_start|>user\n")
-    target = smollm2
     path = tmp_path / "p.jsonl"
     kwargs = dict(batch_size=3, max_new_tokens=MAX_NEW_TOKENS, progress=False)
-    synthesize_prompts(target, tokenizer, 6, str(path), categories=["math", "coding"], **kwargs)
+    synthesize_prompts(smollm2, tokenizer, 6, str(path), categories=["math", "coding"], **kwargs)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert records and all(r["category"] == ["math", "coding"][r["batch"] % 2] for r in records)
     assert all(r["source"].endswith(":" + r["category"]) for r in records)
     assert {r["category"] for r in records} == {"math", "coding"}
     with pytest.raises(ValueError, match="seed|categories"):
-        synthesize_prompts(target, tokenizer, 6, str(path), categories=["math"], **kwargs)
+        synthesize_prompts(smollm2, tokenizer, 6, str(path), categories=["math"], **kwargs)
     with pytest.raises(ValueError, match="Unknown categories"):
-        synthesize_prompts(target, tokenizer, 6, str(tmp_path / "q.jsonl"), categories=["poetry"], **kwargs)
+        synthesize_prompts(smollm2, tokenizer, 6, str(tmp_path / "q.jsonl"), categories=["poetry"], **kwargs)
