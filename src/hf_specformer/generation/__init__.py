@@ -10,21 +10,7 @@ from .stats import FinishedRow, SpecStats
 from .suffix import SuffixIndex, SuffixProposer
 
 __all__ = [
-    "FinishedRow",
-    "OracleProposer",
-    "PromptLookupProposer",
-    "Proposal",
-    "Proposer",
-    "RequestOutput",
-    "SpecFormerProposer",
-    "SpecStats",
-    "SpeculationConfig",
-    "SpeculativeDecoderOnlyOutput",
-    "StepCosts",
-    "SuffixIndex",
-    "SuffixProposer",
-    "TargetStep",
-    "generate",
-    "generate_batch",
-    "speculative_decode",
+    "FinishedRow", "OracleProposer", "PromptLookupProposer", "Proposal", "Proposer", "RequestOutput",
+    "SpecFormerProposer", "SpecStats", "SpeculationConfig", "SpeculativeDecoderOnlyOutput", "StepCosts",
+    "SuffixIndex", "SuffixProposer", "TargetStep", "generate", "generate_batch", "speculative_decode",
 ]

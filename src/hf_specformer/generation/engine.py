@@ -29,8 +29,7 @@ from .tokens import Committer, RaggedLogitsProcessor, TokenSelector, pad_token_i
 from .verification import verify_greedy, verify_sampling
 
 VOCABULARY_COPIES = 4
-"""Vocabulary-wide tensors a step holds per verified input (logits, scores, probabilities, drafts'), for a slot's
-memory."""
+"""Vocabulary-wide tensors a step holds per verified input (logits, scores, probabilities, drafts')."""
 
 
 @dataclass

@@ -23,6 +23,9 @@ the text."""
 MAX_PROBE_BACKOFF = 8
 """The probe interval doubles after each probe that finds drafting still does not pay, up to this factor."""
 
+DRAFTING_MARGIN = 0.05
+"""Share by which drafting's expected rate must beat plain decoding's: near break-even the learnt costs are noise."""
+
 EXPECTED_DECAY = 0.8
 """Weight of the past in the running mean E_w of expected accepted drafts per row at width w."""
 
@@ -282,10 +285,10 @@ class GoodputSchedule:
         return False, True
 
     def _drafting_pays(self, batch_size: int) -> bool:
-        """max_w B (1 + E_w) / (t(B, w) + t_draft(B)) > B / t_plain(B), over w >= 1."""
+        """max_w B (1 + E_w) / (t(B, w) + t_draft(B)) > (1 + `DRAFTING_MARGIN`) B / t_plain(B), over w >= 1."""
         seconds = torch.tensor([self.costs.step(batch_size, w) for w in range(1, self.k + 1)], dtype=torch.float64)
         rates = (1 + self.expected[1:]) / (seconds + self.costs.get("draft", batch_size))
-        return bool(rates.max() > 1 / self.costs.get("plain", batch_size))
+        return bool(rates.max() > (1 + DRAFTING_MARGIN) / self.costs.get("plain", batch_size))
 
     def choose(self, scores: torch.Tensor, num_rows: int, num_live: int, drafted: bool) -> torch.LongTensor:
         """scores `[B, k]` on the host (q_{b,j}, 0 without a draft) -> drafts each row verifies `[B]` on the host:
