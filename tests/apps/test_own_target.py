@@ -42,6 +42,7 @@ def test_a_drafter_for_a_new_target_from_distill_to_generate(tmp_path, tokenizer
     distill = ["distill", "--target", str(target_dir), "--prompts", str(tmp_path / "prompts.jsonl"),
                "--output", str(data), "--batch-size", "3"]
     cli.main([*distill, "--max-new-tokens", "24"])
+    assert f"answers of {target_dir}, " in capsys.readouterr().out  # the summary
     assert json.loads((data / "progress" / "meta.json").read_text())["target"] == str(target_dir)
 
     # a changed run, another target, a missing folder: one line each, exit status 2
@@ -58,9 +59,12 @@ def test_a_drafter_for_a_new_target_from_distill_to_generate(tmp_path, tokenizer
     assert "No distilled data" in missing
 
     cli.main(train)  # no --target: the data's
+    assert f"wrote {run / 'drafter'}: 4 steps, final loss " in capsys.readouterr().out
     evaluation = json.loads((run / "eval.json").read_text())  # strict JSON: no NaN
     assert len(evaluation["kappa"]) == 2
-    capsys.readouterr()
+    cli.main(["calibrate", "--data", str(data), "--drafter", str(run / "drafter"), "--write"])  # the data's target
+    assert "calibrated on 6 sequences at k = 2 (acceptance " in capsys.readouterr().out
+    assert json.loads((run / "drafter" / "config.json").read_text())["acceptance_table"]["num_slots"] == 2
     cli.main(["export", "--drafter", str(run / "drafter"), "--output", str(hub), "--eval", str(run / "eval.json"),
               "--dtype", "float32"])
     summary = capsys.readouterr().out

@@ -217,8 +217,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    report = calibrate(parse_args(argv))
-    print(json.dumps(report, indent=2))
+    args = parse_args(argv)
+    report = calibrate(args)
+    figures = "; ".join(f"{name}: AUC {'n/a' if scored['auc'] is None else format(scored['auc'], '.3f')}, "
+                        f"{scored['information_gain_bits']:.3f} bits" for name, scored in report.items()
+                        if name in ("confidence_table", "sv_table"))
+    print(f"calibrated on {report['sequences']} sequences at k = {report['num_draft_tokens']} (acceptance "
+          f"{report['evaluation_acceptance']:.2f}): {figures}" + ("; tables written" if args.write else "") +
+          (f"; report {args.output}" if args.output else ""))
     return report
 
 

@@ -25,8 +25,6 @@ from hf_specformer.data.answering import (
 from hf_specformer.data.prompts import load_prompts
 from hf_specformer.data.records import DATASET_DIR
 
-logger = logging.getLogger(__name__)
-
 
 def distill(
     target: PreTrainedModel,
@@ -85,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     dataset = distill(target, tokenizer, prompts, args.output, max_new_tokens=args.max_new_tokens,
                       batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, drafter=drafter)
     if dataset is not None:
-        logger.info("saved %d records to %s", len(dataset), os.path.join(args.output, DATASET_DIR))
+        tokens = sum(len(ids) - length for ids, length in zip(dataset["input_ids"], dataset["prompt_length"]))
+        print(f"wrote {os.path.join(args.output, DATASET_DIR)}: {len(dataset)} answers of {args.target}, "
+              f"{tokens} reply tokens (up to {args.max_new_tokens} each)")
 
 
 if __name__ == "__main__":

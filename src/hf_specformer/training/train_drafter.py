@@ -419,8 +419,13 @@ def parse_config(argv: list[str] | None = None) -> DrafterTrainingConfig:
 def main(argv: list[str] | None = None) -> TrainingResult:
     """Entry point of `hf-specformer train` and `accelerate launch -m hf_specformer.training.train_drafter`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    result = train(parse_config(argv))
+    config = parse_config(argv)
+    result = train(config)
     end_process_group()
+    if result.evaluation:  # the main process of a completed run
+        kappa = ", ".join("-" if value is None else f"{value:.2f}" for value in result.evaluation["kappa"])
+        print(f"wrote {Path(config.output_dir) / DRAFTER_DIR}: {result.state.step} steps, final loss "
+              f"{result.state.metrics['loss']:.3f}, held-out kappa at k = 1..{len(result.evaluation['kappa'])}: {kappa}")
     return result
 
 
