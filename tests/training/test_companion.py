@@ -26,6 +26,7 @@ from hf_specformer.training.calibrate import (
     scores,
     write_table,
 )
+from hf_specformer.training.target_states import reply_positions
 from hf_specformer.training.train_companion import (
     IGNORE,
     CompanionTrainingConfig,
@@ -131,3 +132,9 @@ def test_estimators_separate_predictable_from_random_replies(tmp_path):
     report = compare_estimators(records, 3)
     assert report["confidence_table"]["auc"] > 0.8 and report["raw_confidence"]["auc"] > 0.8, report
     assert "sv_table" not in report
+
+
+def test_a_sequence_cut_inside_its_prompt_has_no_reply_positions():
+    """`--max-length` below a long prompt leaves no reply: no positions (the row is skipped), not an error."""
+    assert reply_positions(torch.arange(10), 4).tolist() == [3, 4, 5, 6, 7]
+    assert reply_positions(torch.arange(10), 12).numel() == 0

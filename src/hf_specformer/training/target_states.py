@@ -21,8 +21,8 @@ def next_token_ids(input_ids: torch.LongTensor) -> torch.LongTensor:
 
 def reply_positions(ids: torch.LongTensor, prompt_length: int) -> torch.LongTensor:
     """`[P]` the positions t of a sequence `ids` `[T]` whose next two tokens are reply tokens: the last prompt
-    position up to T - 3 (where drafting starts once the target has committed x_{t+1})."""
-    return torch.arange(prompt_length - 1, ids.numel() - 2, device=ids.device)
+    position up to T - 3 (where drafting starts once the target has committed x_{t+1}); none if a cut left no reply."""
+    return torch.arange(prompt_length - 1, max(ids.numel() - 2, prompt_length - 1), device=ids.device)
 
 
 def tokens_after(ids: torch.LongTensor, positions: torch.LongTensor, first: int, count: int) -> torch.LongTensor:
