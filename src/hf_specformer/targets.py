@@ -127,7 +127,8 @@ def load_target(
     return model.eval().to(device)
 
 
-def _canonical(name_or_path: str) -> str:
+def canonical_target(name_or_path: str) -> str:
+    """`smollm2` for SmolLM2's Hub name, a folder's real path, else the name as given: one spelling per target."""
     name_or_path = {SMOLLM2_NAME: DEFAULT_TARGET}.get(name_or_path, name_or_path)
     return os.path.realpath(name_or_path) if os.path.exists(name_or_path) else name_or_path
 
@@ -143,7 +144,7 @@ def load_data_target(data: str, name_or_path: str | None, **kwargs) -> PreTraine
     recorded = meta.get("target") and {SMOLLM2_NAME: DEFAULT_TARGET}.get(meta["target"], meta["target"])
     refusal = ValueError(f"{data} was distilled from {recorded}, not from the target given ({name_or_path}): drop "
                          "--target to use the data's, or distil again with this one.")
-    if name_or_path and recorded and _canonical(name_or_path) != _canonical(recorded):
+    if name_or_path and recorded and canonical_target(name_or_path) != canonical_target(recorded):
         raise refusal
     target = load_target(name_or_path or recorded or DEFAULT_TARGET, **kwargs)
     if recorded and (target.config.vocab_size, target.config.hidden_size) != (meta["vocab_size"], meta["hidden_size"]):

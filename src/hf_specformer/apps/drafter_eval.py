@@ -1,6 +1,6 @@
 """`hf-specformer eval-drafter`: a drafter's acceptance on the same texts, teacher-forced and live, per category.
 
-    hf-specformer eval-drafter [--drafter DIR] [--prompts F ...] [--with-lookup] [--with-suffix] --output E
+    hf-specformer eval-drafter [--drafter DIR] [--target T] [--prompts F ...] [--with-lookup] [--with-suffix] --output E
 
 Each prompt's plain greedy answer (B = 1, chat template) is scored teacher-forced (`training.evaluation`) and live
 (speculative `generate`, fixed k, lookup off, output checked against the plain answer): per-slot acceptance and
@@ -23,14 +23,9 @@ from tqdm.auto import tqdm
 from .batch_job import seeded_suffix_index
 from ..data.batching import cut_after_eos, eos_token_ids
 from ..generation import SuffixIndex, generate
-from ..data.prompts import (
-    DEFAULT_PROMPTS_FILE,
-    chat_prompt_ids,
-    find_shared_data,
-    labelled_prompts,
-)
-from ..targets import load_drafter
-from ..targets import DEFAULT_TARGET, DTYPES, default_device, describe_machine, load_target, load_tokenizer
+from ..data.prompts import DEFAULT_PROMPTS_FILE, chat_prompt_ids, find_shared_data, labelled_prompts
+from ..targets import (DEFAULT_TARGET, DTYPES, canonical_target, default_device, describe_machine, load_data_target,
+                       load_drafter, load_target, load_tokenizer)
 from ..training.evaluation import BEST_OF_LOOKUP, evaluate_kappa
 
 MAX_GAP = 0.05
@@ -196,7 +191,8 @@ def plot(report: dict, path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-specformer eval-drafter", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=None,
+                        help="target model (default: the --suffix-corpus data's, else smollm2)")
     parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
     parser.add_argument("--prompts", action="append", default=None,
                         help="prompt file(s) (default: MT-bench from the shared data if present, and the package's)")
@@ -234,8 +230,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     sources = args.prompts or [p for p in (find_shared_data(MTBENCH_PROMPTS), str(DEFAULT_PROMPTS_FILE)) if p]
     prompts, groups = select(*labelled_prompts(sources, "category"), args.limit_per_group)
-    target = load_target(args.target, dtype=DTYPES[args.dtype], device=default_device())
-    tokenizer = load_tokenizer(args.target)
+    where = dict(dtype=DTYPES[args.dtype], device=default_device())
+    target = (load_data_target(args.suffix_corpus, args.target, **where) if args.suffix_corpus
+              else load_target(args.target or DEFAULT_TARGET, **where))
+    tokenizer = load_tokenizer(canonical_target(target.config._name_or_path))
     drafter = load_drafter(args.drafter, target)
     if args.num_draft_tokens > drafter.config.draft_length:
         raise SystemExit(f"--num-draft-tokens exceeds the drafter's draft_length ({drafter.config.draft_length}).")
