@@ -196,7 +196,7 @@ def tiny_target(seed: int = 0):
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
-def host_overhead(batch_sizes: list[int], new_tokens: int = 64, prompt_length: int = 32, repeats: int = 5) -> list:
+def host_overhead(batch_sizes: list[int], new_tokens: int = 64, prompt_length: int = 32, repeats: int = 15) -> list:
     """Per batch size: plain `generate`, perfect drafts (k = 3), an engine proposing nothing, and k = 0, alternated
     `repeats` times; medians of each call's seconds, its time per target forward and the share of each phase."""
     torch.set_num_threads(1)

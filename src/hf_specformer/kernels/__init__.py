@@ -11,6 +11,7 @@ Backends: `torch` (the references), `triton` (on a CPU under Triton's interprete
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -33,6 +34,7 @@ def kernel_backend(backend: str | None = None) -> str:
     return backend
 
 
+@functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -226,7 +226,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
 
 def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
     """Admissions and steps until every row has finished."""
-    model, proposer, schedule = call.model, call.proposer, call.schedule
+    model, proposer, schedule, dtype = call.model, call.proposer, call.schedule, call.model.dtype
     caches = _new_caches(call, call.capacity)
     clock, plan = StepClock(batch.tokens.device), None
     while True:
@@ -249,7 +249,7 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         step_ids = torch.cat([batch.tokens[batch.row_ids, batch.prefix_lengths() - 1, None],
                               plan.draft_ids[:, :width]], dim=1)  # [B, w + 1]
         position_ids = batch.lengths[:, None] + inputs
-        mask = batch.step_mask(inputs <= num_drafts[:, None], call.mask_shape if width else "2d", model.dtype)
+        mask = batch.step_mask(inputs <= num_drafts[:, None], call.mask_shape if width else "2d", dtype)
         logits = target_forward(model, step_ids, mask, position_ids, caches[0])
 
         # 3. Verify: the accepted drafts and the target's correction or bonus token
