@@ -71,9 +71,9 @@ def test_a_drafter_for_a_new_target_from_distill_to_generate(tmp_path, tokenizer
     assert f"wrote {hub}: k = " in summary and "held-out kappa" in summary
     card = (hub / "README.md").read_text()
     assert "# hub\n" in card and ".drafter" not in card
-    evaluate = ["eval-drafter", "--drafter", str(hub), "--prompts", str(tmp_path / "prompts.jsonl"), "--limit-per-group",
-                "1", "--max-new-tokens", "8", "--num-draft-tokens", "2", "--with-suffix", "--suffix-corpus", str(data),
-                "--output", str(tmp_path / "eval")]
+    evaluate = ["eval-drafter", "--drafter", str(hub), "--prompts", str(tmp_path / "prompts.jsonl"),
+                "--limit-per-group", "1", "--max-new-tokens", "8", "--num-draft-tokens", "2", "--with-suffix",
+                "--suffix-corpus", str(data), "--output", str(tmp_path / "eval")]
     assert "not from the target given (smollm2)" in _error_line(capsys, [*evaluate, "--target", "smollm2"])
     cli.main(evaluate)  # no --target: the suffix corpus' data's
     assert json.loads((tmp_path / "eval.json").read_text())["groups"]["all"]["live_suffix"]

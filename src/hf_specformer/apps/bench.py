@@ -303,7 +303,7 @@ def run_benchmark(config: BenchConfig) -> dict:
 def _write(report: dict, output: str, host: bool) -> dict:
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    path.with_suffix(".json").write_text(json.dumps(report, indent=2, allow_nan=False))
     plot(report["results"], path.with_suffix(".png"), host)
     return report
 

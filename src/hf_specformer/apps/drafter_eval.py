@@ -246,10 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps({
-        "config": vars(args), "sources": sources, "max_gap": MAX_GAP,
-        "machine": describe_machine(),
-        "groups": report,
-    }, indent=2))
+        "config": vars(args), "sources": sources, "max_gap": MAX_GAP, "machine": describe_machine(), "groups": report,
+    }, indent=2, allow_nan=False))
     plot(report, output.with_suffix(".png"))
     worst = max(row["gap"] for row in report.values())
     if worst > MAX_GAP:

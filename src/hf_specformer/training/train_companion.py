@@ -209,7 +209,8 @@ def train_companion(config: CompanionTrainingConfig, target=None, dataset=None, 
     evaluation = {"steps": state.step, "examples": len(train_data), **evaluate(model, eval_data)}
     if accelerator.is_main_process:
         model.save_pretrained(output)
-        (output / "companion_eval.json").write_text(json.dumps({"config": asdict(config), **evaluation}, indent=2))
+        report = json.dumps({"config": asdict(config), **evaluation}, indent=2, allow_nan=False)
+        (output / "companion_eval.json").write_text(report)
     return evaluation
 
 

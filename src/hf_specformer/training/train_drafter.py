@@ -423,9 +423,10 @@ def main(argv: list[str] | None = None) -> TrainingResult:
     result = train(config)
     end_process_group()
     if result.evaluation:  # the main process of a completed run
-        kappa = ", ".join("-" if value is None else f"{value:.2f}" for value in result.evaluation["kappa"])
+        kappas = result.evaluation["kappa"]
+        kappa = ", ".join("-" if value is None else f"{value:.2f}" for value in kappas)
         print(f"wrote {Path(config.output_dir) / DRAFTER_DIR}: {result.state.step} steps, final loss "
-              f"{result.state.metrics['loss']:.3f}, held-out kappa at k = 1..{len(result.evaluation['kappa'])}: {kappa}")
+              f"{result.state.metrics['loss']:.3f}, held-out kappa at k = 1..{len(kappas)}: {kappa}")
     return result
 
 
