@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     where = dict(dtype=DTYPES[args.dtype], device=default_device())
     target = (load_data_target(args.suffix_corpus, args.target, **where) if args.suffix_corpus
               else load_target(args.target or DEFAULT_TARGET, **where))
-    tokenizer = load_tokenizer(canonical_target(target.config._name_or_path))
+    tokenizer = load_tokenizer(canonical_target(target.config.name_or_path))
     drafter = load_drafter(args.drafter, target)
     if args.num_draft_tokens > drafter.config.draft_length:
         raise SystemExit(f"--num-draft-tokens exceeds the drafter's draft_length ({drafter.config.draft_length}).")
