@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -198,7 +199,8 @@ def tiny_target(seed: int = 0):
 
 def host_overhead(batch_sizes: list[int], new_tokens: int = 64, prompt_length: int = 32, repeats: int = 15) -> list:
     """Per batch size: plain `generate`, perfect drafts (k = 3), an engine proposing nothing, and k = 0, alternated
-    `repeats` times; medians of each call's seconds, its time per target forward and the share of each phase."""
+    `repeats` times in shuffled orders; medians of each call's seconds, its time per target forward and the share of
+    each phase."""
     torch.set_num_threads(1)
     target = tiny_target()
     rows = []
@@ -216,9 +218,11 @@ def host_overhead(batch_sizes: list[int], new_tokens: int = 64, prompt_length: i
                 "schedule": "fixed", "lookup_ngram_size": 0}), None),
             "k = 0": (lambda: generate(target, assistant_model=oracle, num_assistant_tokens=0, **kwargs), None),
         }
-        measured = {name: [] for name in calls}
-        for _ in range(repeats):
-            for name, (call, proposer) in calls.items():
+        measured, order = {name: [] for name in calls}, list(calls)
+        for repeat in range(repeats):
+            random.Random(repeat).shuffle(order)  # a new order each time: no call always follows the same one
+            for name in order:
+                call, proposer = calls[name]
                 timer = PhaseTimer(target, proposer)
                 try:
                     output, seconds = timed(call, "cpu")

@@ -465,12 +465,9 @@ def _new_caches(call: _Call, capacity: int) -> list:
 
 def _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, row_finished,
                   model_kwargs):
-    """transformers' own decoding loop, on a preallocated cache: what a call without drafts runs."""
-    key = "cache" if "cache" in model_kwargs else "past_key_values"
-    num_layers = model.config.get_text_config().num_hidden_layers
-    cache = PreallocatedCache.like(model_kwargs[key], num_layers, generation_config.max_length)
+    """transformers' own decoding loop on its own cache, as plain `generate` runs it: a call without drafts."""
     output = GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                     streamer=streamer, **{**model_kwargs, key: cache})
+                                     streamer=streamer, **model_kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, input_ids.shape[1]:]
     stats = SpecStats(0, steps=generated.shape[1], row_steps=generated.numel(), width_counts=[generated.shape[1]])
