@@ -42,12 +42,14 @@ def make_batch(batch_size: int, seed: int = 0, padded: bool = True, min_len: int
     return input_ids.to(TEST_DEVICE), mask.to(TEST_DEVICE)
 
 
-def started_batch(input_ids: torch.LongTensor, attention_mask, capacity: int, pad_token_id: int = PAD) -> RaggedBatch:
+def started_batch(input_ids: torch.LongTensor, attention_mask, capacity: int, pad_token_id: int = PAD,
+                  max_new_tokens: int | None = None) -> RaggedBatch:
     """A `RaggedBatch` of every row of `input_ids` (`[B, P]`), admitted as the engine admits them, with their prompt
-    columns committed (as after their prefill); `capacity` new tokens fit after the prompt."""
+    columns committed (as after their prefill); `capacity` new tokens fit after the prompt, `max_new_tokens` (default:
+    `capacity`) may be generated per row."""
     rows = input_ids.shape[0]
-    batch = RaggedBatch.start(input_ids, attention_mask, capacity, rows, input_ids.shape[1] + 2 * capacity,
-                              pad_token_id)
+    batch = RaggedBatch.start(input_ids, attention_mask, max_new_tokens or capacity, capacity, rows,
+                              input_ids.shape[1] + 2 * capacity, pad_token_id)
     new = batch.admission(list(range(rows)))
     new.commit_prompt()
     batch.join(new)

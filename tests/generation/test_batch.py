@@ -79,7 +79,7 @@ def test_an_admission_holds_its_rows_longest_prompt_and_joins_by_column():
     their mask is padded with hidden columns on the right."""
     input_ids = torch.tensor([[PAD] * 4 + [5, 6], [PAD, PAD, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
     mask = (input_ids != PAD).long()
-    batch = RaggedBatch.start(input_ids, mask, 8, slots=3, capacity=20, pad_token_id=PAD)
+    batch = RaggedBatch.start(input_ids, mask, 8, 8, slots=3, capacity=20, pad_token_id=PAD)
     running = batch.admission([2])
     running.commit_prompt()
     batch.join(running)

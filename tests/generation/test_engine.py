@@ -12,6 +12,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_specformer import OracleProposer, SpecFormerProposer, StepCosts, generate
 from hf_specformer.generation import batch as batch_module
+from hf_specformer.generation.batch import NewRow, RowFeed
 from hf_specformer.generation.engine import record_hidden_states, slot_bytes
 from hf_specformer.training.target_states import next_token_ids
 
@@ -377,3 +378,63 @@ def test_rows_under_a_memory_budget_give_the_output_of_generate(kind):
     with pytest.raises(ValueError, match="holds no row"):
         generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12,
                  pad_token_id=PAD, speculation_config={"num_draft_tokens": 4, "memory_budget": one_slot - 1})
+
+
+class ScriptedFeed(RowFeed):
+    """Rows that join at given polls and rows cancelled at given polls; keeps what it is told, per request."""
+
+    def __init__(self, initial: NewRow, joining: dict[int, list[NewRow]], cancelling: dict[int, list[NewRow]]):
+        super().__init__([initial])
+        self.joining, self.cancelling, self.polls = joining, cancelling, 0
+        self.handed, self.streamed, self.finished = [initial], {}, {}
+
+    def poll(self, idle: bool):
+        if not self.joining and not self.cancelling:
+            return None
+        while True:  # while idle, the next poll that brings rows comes at once
+            self.polls += 1
+            new, cancelled = self.joining.pop(self.polls, []), self.cancelling.pop(self.polls, [])
+            self.handed += new
+            if new or cancelled or not idle:
+                return new, cancelled
+
+    def owner(self, row: int) -> NewRow:
+        """The request the call's row `row` serves now: the latest one given it."""
+        return next(request for request in reversed(self.handed) if request.row == row)
+
+    def committed(self, rows, tokens):
+        for row, ids in zip(rows, tokens):
+            self.streamed.setdefault(id(self.owner(row)), []).extend(ids)
+
+    def __call__(self, row):
+        self.finished[id(self.owner(row.row))] = row.tokens
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_rows_fed_to_a_running_call_give_the_output_of_generate(kind):
+    """Seven requests of their own prompt lengths and limits join a call of 3 slots at different steps (so rows of
+    requests that ended are reused): each one's tokens, streamed step by step and reported at its end, are plain
+    `generate`'s; of two cancelled, one running and one as it joins, the streamed tokens are a prefix of their own
+    and their end is never reported."""
+    target, generator = make_target(kind), torch.Generator().manual_seed(6)
+    requests = [NewRow(torch.randint(3, 90, (length,), generator=generator).tolist(), limit)
+                for length, limit in ((5, 12), (9, 20), (3, 6), (7, 30), (12, 9), (4, 15), (8, 11))]
+    feed = ScriptedFeed(requests[0], {1: [requests[1]], 3: [requests[2]], 5: requests[3:5], 9: [requests[5]],
+                                      14: [requests[6]]}, {4: [requests[1]], 14: [requests[6]]})
+    width, prompt = 16, requests[0].prompt_ids
+    input_ids = torch.tensor([[PAD] * (width - len(prompt)) + prompt])
+    mask = (torch.arange(width) >= width - len(prompt)).long()[None]
+    generate(target, input_ids=input_ids, attention_mask=mask, max_new_tokens=32, do_sample=True, temperature=1.0,
+             top_k=0, top_p=1.0, sampling_seeds=[0], assistant_model=make_drafter(target), row_finished=feed,
+             speculation_config={"max_batch_size": 3, "schedule": "fixed"}, pad_token_id=PAD)
+    assert max(request.row for request in requests[:6]) < 5  # rows of ended requests were reused
+    for i, request in enumerate(requests):
+        ids = torch.tensor([request.prompt_ids])
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.max_new_tokens,
+                                   do_sample=False, pad_token_id=PAD)[0, ids.shape[1]:].tolist()
+        streamed = feed.streamed.get(id(request), [])
+        if i in (1, 6):  # cancelled while running, and as it joined
+            assert id(request) not in feed.finished and streamed == expected[: len(streamed)]
+            assert (0 < len(streamed) < len(expected)) if i == 1 else not streamed
+        else:
+            assert feed.finished[id(request)] == expected == streamed, i

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 
 from hf_specformer import generate, generate_batch
 from hf_specformer.generation.batch import RaggedBatch
-from hf_specformer.generation.tokens import Committer, RaggedLogitsProcessor, gumbel_noise
+from hf_specformer.generation.tokens import Committer, RaggedLogitsProcessor, TokenSelector, gumbel_noise
 
 
 def _generation_config(eos: int) -> GenerationConfig:
@@ -33,10 +33,10 @@ class StopAfterSeven(StoppingCriteria):
 
 
 def test_committer_cuts_rows_at_eos_at_max_new_tokens_and_at_a_stopping_criterion():
-    batch = started_batch(torch.full((5, 2), 5), None, 8, PAD)
+    batch = started_batch(torch.full((5, 2), 5), None, 8, PAD, max_new_tokens=5)
     batch.num_generated[3] = 3  # two new tokens left of max_new_tokens = 5
     batch.finished[4] = True  # already finished: commits nothing
-    commit = Committer(StoppingCriteriaList([StopAfterSeven()]), _generation_config(eos=2), 5, streamer=None)
+    commit = Committer(StoppingCriteriaList([StopAfterSeven()]), _generation_config(eos=2), streamer=None)
     tokens = torch.tensor([[3, 2, 4], [3, 4, 4], [3, 7, 3], [3, 3, 3], [3, 3, 3]])
     finished = commit(batch, tokens, torch.tensor([3, 3, 3, 3, 3]))
     assert finished.tolist() == [True, False, True, True, True]
@@ -45,8 +45,8 @@ def test_committer_cuts_rows_at_eos_at_max_new_tokens_and_at_a_stopping_criterio
 
 
 def test_committer_keeps_counts_shorter_than_the_tokens_given():
-    batch = started_batch(torch.full((2, 2), 5), None, 8, PAD)
-    commit = Committer(None, _generation_config(eos=2), 10, streamer=None)
+    batch = started_batch(torch.full((2, 2), 5), None, 8, PAD, max_new_tokens=10)
+    commit = Committer(None, _generation_config(eos=2), streamer=None)
     finished = commit(batch, torch.tensor([[3, 2, 4], [3, 4, 2]]), torch.tensor([1, 2]))  # EOS past the counts
     assert finished.tolist() == [False, False] and batch.num_generated.tolist() == [1, 2]
 
@@ -98,6 +98,24 @@ def test_noise_depends_only_on_seed_position_and_token():
     assert torch.equal(alone[0, 0], noise[1, 1])
     many = gumbel_noise(torch.arange(200), torch.zeros(200, 1, dtype=torch.long), 500).flatten().double()
     assert abs(float(many.mean()) - 0.5772) < 0.01 and abs(float(many.var()) - torch.pi**2 / 6) < 0.03
+
+
+def test_noise_is_finite_at_the_largest_uniform():
+    """Seed 3, position 2039, token 184 hashes to the largest 24-bit uniform, which float32 rounded to 1 (noise +inf:
+    that token was always chosen)."""
+    assert torch.isfinite(gumbel_noise(torch.tensor([3]), torch.tensor([[2039]]), 1024)).all()
+
+
+def test_per_row_temperature_and_top_p():
+    """Seeded rows with their own settings: temperature 0 is the argmax, top_p near 0 keeps only the argmax too, and
+    temperature 1 with top_p 1 is the seeded sample of the plain scores."""
+    batch = started_batch(torch.full((3, 2), 5), None, 8, PAD)
+    selector = TokenSelector(True, torch.tensor([1, 2, 3]))
+    scores = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(5))
+    sampled = selector(scores, batch)
+    selector.set_rows([0, 1, 2], [1, 2, 3], [0.0, 0.7, 1.0], [1.0, 1e-6, 1.0], "cpu")
+    chosen = selector(scores, batch)
+    assert torch.equal(chosen[:2], scores[:2].argmax(-1)) and torch.equal(chosen[2], sampled[2])
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -9,6 +9,7 @@
     hf-specformer calibrate --data DIR ...  acceptance tables of drafter and companion, estimator comparison
     hf-specformer bench --output F          speculative vs plain generate, one interleaved run, JSON + PNG
     hf-specformer eval-drafter ...          a drafter's acceptance per category, teacher-forced and live
+    hf-specformer serve                     an OpenAI-compatible server on speculative continuous batching
     hf-specformer export --drafter DIR ...  Hub folder: weights, code, custom_generate/, model card
     hf-specformer export-companion ...      a companion's Hub folder: weights, table, code, model card
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         "calibrate": lambda rest: __import__("hf_specformer.training.calibrate", fromlist=["main"]).main(rest),
         "bench": lambda rest: __import__("hf_specformer.apps.bench", fromlist=["main"]).main(rest),
         "eval-drafter": lambda rest: __import__("hf_specformer.apps.drafter_eval", fromlist=["main"]).main(rest),
+        "serve": lambda rest: __import__("hf_specformer.apps.serve", fromlist=["main"]).main(rest),
         "export": _export,
         "export-companion": _export_companion,
     }

@@ -45,6 +45,7 @@ class RaggedBatch:
         finished: `[B]` rows that ended and stay only as padding.
         pad_token_id: what `sequences` puts after each row's end.
         prompt_mask: `[B0, P]` 1 on the prompts' real tokens.
+        max_new: `[B0]` new tokens each row may generate.
         host_rows, host_finished: `row_ids` and `finished` on the host, as of the last host read.
         num_live, max_length: rows not finished and the largest of `lengths`, as of the last host read.
         max_prefix, min_prefix: bounds of the longest and shortest committed prefix of the live rows, on the host.
@@ -61,6 +62,7 @@ class RaggedBatch:
     finished: torch.BoolTensor
     pad_token_id: int
     prompt_mask: torch.LongTensor
+    max_new: torch.LongTensor
     host_rows: list[int] = field(default_factory=list)
     host_finished: list[bool] = field(default_factory=list)
     num_live: int = 0
@@ -70,9 +72,10 @@ class RaggedBatch:
     positions: torch.LongTensor | None = None
 
     @classmethod
-    def start(cls, input_ids, attention_mask, new_columns: int, slots: int, capacity: int, pad_token_id: int):
-        """A batch with no active rows yet, for prompts `[B0, P]` (left padded; mask None: no padding); the token
-        buffer holds `new_columns` beyond the prompt."""
+    def start(cls, input_ids, attention_mask, max_new_tokens: int, new_columns: int, slots: int, capacity: int,
+              pad_token_id: int):
+        """A batch with no active rows yet, for prompts `[B0, P]` (left padded; mask None: no padding) that may each
+        generate `max_new_tokens`; the token buffer holds `new_columns` beyond the prompt."""
         device = input_ids.device
         tokens = torch.full((input_ids.shape[0], input_ids.shape[1] + new_columns), pad_token_id, device=device)
         tokens[:, : input_ids.shape[1]] = input_ids
@@ -80,7 +83,8 @@ class RaggedBatch:
         prompt_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         return cls(tokens, input_ids.shape[1], torch.zeros_like(input_ids[:, 0]), empty,
                    torch.zeros(slots, capacity, dtype=torch.long, device=device), 0, empty, empty.bool(),
-                   pad_token_id, prompt_mask, positions=torch.arange(max(capacity, tokens.shape[1]), device=device))
+                   pad_token_id, prompt_mask, torch.full_like(input_ids[:, 0], max_new_tokens),
+                   positions=torch.arange(max(capacity, tokens.shape[1]), device=device))
 
     @property
     def size(self) -> int:
@@ -100,8 +104,23 @@ class RaggedBatch:
         zeros = torch.zeros_like(row_ids)
         return RaggedBatch(self.tokens, self.prompt_width, self.num_generated, row_ids,
                            self.prompt_mask[row_ids, self.prompt_width - width:].clone(), width, zeros, zeros.bool(),
-                           self.pad_token_id, self.prompt_mask, list(rows), [False] * len(rows), len(rows), 0,
-                           self.prompt_width, self.prompt_width, self.positions)
+                           self.pad_token_id, self.prompt_mask, self.max_new, list(rows), [False] * len(rows),
+                           len(rows), 0, self.prompt_width, self.prompt_width, self.positions)
+
+    def add_prompts(self, rows: list[int], prompts: list[list[int]], max_new: list[int]) -> None:
+        """Writes `prompts` (at most P tokens each), left padded, into the call's `rows` (rows that ended, or new ones
+        beyond B0), each with its own limit of new tokens."""
+        grow = max(rows) + 1 - len(self.tokens)
+        if grow > 0:
+            self.tokens = torch.cat([self.tokens, torch.full_like(self.tokens[:1], self.pad_token_id).expand(grow, -1)])
+            self.prompt_mask, self.num_generated, self.max_new = (
+                torch.cat([t, t.new_zeros(grow, *t.shape[1:])]) for t in (self.prompt_mask, self.num_generated,
+                                                                          self.max_new))
+        for row, ids, limit in zip(rows, prompts, max_new, strict=True):
+            start = self.prompt_width - len(ids)
+            self.tokens[row], self.prompt_mask[row], self.num_generated[row] = self.pad_token_id, 0, 0
+            self.tokens[row, start: self.prompt_width] = torch.tensor(ids, device=self.tokens.device)
+            self.prompt_mask[row, start:], self.max_new[row] = 1, limit
 
     def prompt_ids(self) -> torch.LongTensor:
         """`[B, W]` an admission's prompts in their last W columns."""
@@ -243,3 +262,37 @@ class Admissions:
         if not self.waiting or (free < min(self.min_free, len(self.waiting)) and num_live):
             return []
         return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+
+
+@dataclass(eq=False)
+class NewRow:
+    """A request joining a running call through its `RowFeed`: its prompt, its own limit of new tokens, and how its
+    tokens are chosen (temperature 0: greedy; else sampling seeded by `seed`). `row`: its index among the call's
+    rows, set when the engine takes it. A row given as joining and cancelled in one poll is not taken."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    row: int | None = None
+
+
+class RowFeed:
+    """A `row_finished` callback that keeps a call running (`generate(row_finished=feed)`, a server's engine): the
+    call starts with `initial_rows` (those of `input_ids`), takes rows that join and rows to cancel between steps,
+    tells each step's tokens (`committed`) and each row's end (`__call__`, with a `FinishedRow`)."""
+
+    def __init__(self, initial_rows: list[NewRow]):
+        self.initial_rows = initial_rows
+
+    def __call__(self, row) -> None:
+        """The call's row `row.row` ended (`FinishedRow`)."""
+
+    def poll(self, idle: bool) -> tuple[list[NewRow], list[NewRow]] | None:
+        """(rows joining, rows to cancel); while `idle` (nothing runs or waits) it may wait for some. None: no row
+        will come any more, and the call ends once idle."""
+        return None
+
+    def committed(self, rows: list[int], tokens: list[list[int]]) -> None:
+        """The tokens each of the call's `rows` committed in the last step (its first token, at its admission)."""

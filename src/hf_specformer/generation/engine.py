@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 from .acceptance import LOOKUP, NO_DRAFT, AcceptanceEstimator, AcceptanceTable, draft_features
-from .batch import Admissions, RaggedBatch
+from .batch import Admissions, NewRow, RaggedBatch, RowFeed
 from .cache import PreallocatedCache, cache_capacity, kv_bytes_per_column
 from .proposers import NoDrafts, Proposal, Proposer, TargetStep
 from .scheduler import FixedSchedule, GoodputSchedule, StepClock, StepCosts, TimedStep
@@ -113,6 +113,8 @@ class _Call:
     slots: int
     capacity: int
     mask_shape: str  # of the step's attention mask: what the target's attention takes (`RaggedBatch.step_mask`)
+    feed: RowFeed | None = None
+    streamed: dict = dataclasses.field(default_factory=dict)  # call's row -> tokens the feed was told of
     reads: int = 0
 
     def read(self, tensor: torch.Tensor) -> list:
@@ -179,17 +181,21 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     """Batched lossless speculative decoding, as `GenerationMixin.generate` calls a decoding method: prompts
     `input_ids` `[B, P]` (left padded; `model_kwargs`: `attention_mask` and the fresh `DynamicCache`), drafts from
     `proposer` (a `Proposer`), the resolved `speculation` config, a bound `companion`, the estimator's
-    `acceptance_table`, a streamer (B = 1), `row_finished` (called with each `FinishedRow`) and per-row sampling
+    `acceptance_table`, a streamer (B = 1), `row_finished` (called with each `FinishedRow`; a `RowFeed` also keeps
+    the call running: rows join and are cancelled between steps, each step's tokens are told) and per-row sampling
     `seeds` `[B]`. Returns `[B, P + N]` sequences, or a `SpeculativeDecoderOnlyOutput`."""
-    speculation = speculation or SpeculationConfig()
+    speculation, feed = speculation or SpeculationConfig(), row_finished if isinstance(row_finished, RowFeed) else None
     if proposer is None:
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if not isinstance(given, DynamicCache) or given.get_seq_length() > 0:
         raise ValueError("Speculative generation needs a fresh `DynamicCache` (static/offloaded caches not supported).")
     width, max_new = input_ids.shape[1], generation_config.max_length - input_ids.shape[1]
-    slots = speculation.slots(input_ids.shape[0], slot_bytes(model, proposer, width, max_new))
-    if proposer.num_draft_tokens == 0 and slots == input_ids.shape[0] and seeds is None:
+    if feed is not None and speculation.max_batch_size is None:
+        raise ValueError("A call with a RowFeed needs speculation_config={'max_batch_size': ...}: rows keep coming.")
+    rows = input_ids.shape[0] if feed is None else max(input_ids.shape[0], speculation.max_batch_size)
+    slots = speculation.slots(rows, slot_bytes(model, proposer, width, max_new))
+    if proposer.num_draft_tokens == 0 and slots == input_ids.shape[0] and seeds is None and feed is None:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                              speculative_streamer, row_finished, model_kwargs)
     if proposer.num_draft_tokens == 0:
@@ -206,13 +212,15 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     with record_hidden_states(model, indices) as states:
         call = _Call(model, proposer, schedule, estimator, companion, RaggedLogitsProcessor(logits_processor),
                      TokenSelector(bool(generation_config.do_sample), seeds),
-                     Committer(stopping_criteria, generation_config, max_new, speculative_streamer), speculation,
+                     Committer(stopping_criteria, generation_config, speculative_streamer), speculation,
                      states, SpecStats(k), RowCounts(input_ids.shape[0], row_finished), given, slots,
-                     cache_capacity(width, max_new, k), _mask_shape(model))
+                     cache_capacity(width, max_new, k), _mask_shape(model), feed)
         if speculative_streamer is not None:
             speculative_streamer.put(input_ids.cpu())
-        batch = RaggedBatch.start(input_ids, model_kwargs.get("attention_mask"), max_new + k + 1, slots,
+        batch = RaggedBatch.start(input_ids, model_kwargs.get("attention_mask"), max_new, max_new + k + 1, slots,
                                   call.capacity, pad_token_id(generation_config))
+        if feed is not None:
+            _set_rows(call, batch, list(range(input_ids.shape[0])), feed.initial_rows)
         _decode(call, batch, Admissions(input_ids.shape[0], slots))
     if speculative_streamer is not None:
         speculative_streamer.end()
@@ -230,12 +238,16 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
     caches = _new_caches(call, call.capacity)
     clock, plan = StepClock(batch.tokens.device), None
     while True:
+        if call.feed is not None and not _take_rows(call, batch, admissions):
+            return
         rows = admissions.due(batch.num_live)
         while rows:  # the prefill of the rows admitted (all of them at the start, unless slots are fewer)
             plan = _admit(call, batch, caches, rows, plan)
             rows = [] if batch.size else admissions.due(0)  # every row admitted ended at its first token
         if not batch.size:
-            return
+            if call.feed is None:
+                return
+            continue
         schedule.observe(clock.read())
         clock.restart()
 
@@ -271,6 +283,8 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         # 6. Read the step's outcome to the host: its one read
         result = _read(call, batch, next_plan, num_accepted)
         _record(call, batch, plan, counts, width, was_live, result)
+        if call.feed is not None:
+            _stream(call, batch, width + 1)
 
         # 7. Settle: report and retire finished rows, compact the caches
         step = TimedStep(batch.size, width, sum(was_live), sum(result.accepted), plan.draft_ids.shape[1] > 0, free,
@@ -444,6 +458,8 @@ def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan:
     call.proposer.flush(new, new_caches[1:])
     new_plan = _plan(call, new, proposal, last)
     result = _read(call, new, new_plan)
+    if call.feed is not None:
+        _stream(call, new, 1)
     for cache, part in zip(caches, new_caches, strict=True):
         cache.append_rows(part, call.slots)
     new_plan.scores, new_plan.free = result.scores, result.free
@@ -452,6 +468,59 @@ def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan:
     joined = StepResult([], batch.host_finished[: batch.size - new.size] + result.finished,
                         max(batch.max_length, result.max_length), plan.scores, plan.free)
     return _settle(call, batch, caches, plan, joined)
+
+
+def _set_rows(call: _Call, batch: RaggedBatch, rows: list[int], new: list[NewRow]) -> None:
+    """The call's `rows` take the requests `new`: their prompts, limits and sampling settings, counts from zero."""
+    most = batch.tokens.shape[1] - batch.prompt_width - call.proposer.num_draft_tokens - 1
+    if any(not 0 < r.max_new_tokens <= most or not 0 < len(r.prompt_ids) <= batch.prompt_width for r in new):
+        raise ValueError(f"A row needs 1..{batch.prompt_width} prompt tokens and max_new_tokens 1..{most}.")
+    batch.add_prompts(rows, [r.prompt_ids for r in new], [r.max_new_tokens for r in new])
+    call.selector.set_rows(rows, [r.seed for r in new], [r.temperature for r in new], [r.top_p for r in new],
+                           batch.tokens.device)
+    call.rows.take(rows)
+    for row, request in zip(rows, new):
+        request.row, call.streamed[row] = row, 0
+
+
+def _take_rows(call: _Call, batch: RaggedBatch, admissions: Admissions) -> bool:
+    """Between steps: cancels the rows the feed asks to, and queues its new rows in rows that ended (or new ones).
+    Waits while nothing runs or waits; False once the feed has closed and nothing is left."""
+    idle = not batch.num_live and not admissions.waiting
+    polled = call.feed.poll(idle)
+    if polled is None:
+        return not idle
+    new, cancelled = polled
+    for row in [r.row for r in cancelled if r.row is not None and r.row not in call.rows.reported]:
+        call.rows.reported.add(row)
+        if row in admissions.waiting:
+            admissions.waiting.remove(row)
+        elif row in batch.host_rows:
+            index = batch.host_rows.index(row)
+            batch.finished[index], batch.host_finished[index] = True, True
+            batch.num_live -= 1
+    new = [request for request in new if request not in cancelled]
+    if new:
+        free = sorted(call.rows.reported - set(batch.host_rows))[: len(new)]
+        rows = free + list(range(len(call.rows.steps), len(call.rows.steps) + len(new) - len(free)))
+        _set_rows(call, batch, rows, new)
+        admissions.waiting.extend(rows)
+    return True
+
+
+def _stream(call: _Call, batch: RaggedBatch, window: int) -> None:
+    """Tells the feed the tokens each active row committed since it last heard, `window` at most (one more read)."""
+    generated = batch.num_generated[batch.row_ids]
+    columns = (batch.prompt_width + generated - window)[:, None] + batch.positions[:window]
+    values = call.read(torch.cat([generated[:, None], batch.tokens[batch.row_ids[:, None], columns.clamp(min=0)]], 1))
+    rows, tokens = [], []
+    for row, (count, *tail) in zip(batch.host_rows, values):
+        if count > call.streamed[row] and row not in call.rows.reported:
+            rows.append(row)
+            tokens.append(tail[window - (count - call.streamed[row]):])
+            call.streamed[row] = count
+    if rows:
+        call.feed.committed(rows, tokens)
 
 
 def _new_caches(call: _Call, capacity: int) -> list:

@@ -116,6 +116,14 @@ class RowCounts:
             self.steps[row] += is_live
             self.accepted[row] += count
 
+    def take(self, rows: list[int]) -> None:
+        """`rows` begin (again, or beyond the call's rows so far) with no steps and nobody told."""
+        grow = max(rows) + 1 - len(self.steps)
+        self.steps, self.accepted = self.steps + [0] * grow, self.accepted + [0] * grow
+        for row in rows:
+            self.steps[row] = self.accepted[row] = 0
+            self.reported.discard(row)
+
     def kappa(self) -> list[float]:
         return [(s + a) / s if s else 1.0 for s, a in zip(self.steps, self.accepted)]
 

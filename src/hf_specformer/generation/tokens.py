@@ -94,15 +94,40 @@ def gumbel_noise(seeds: torch.LongTensor, positions: torch.LongTensor, vocab_siz
     (seed, position, token) always gives the same value, on any device and in any batch."""
     keys = _mix(_mix(seeds[:, None] * _GOLDEN + positions) + _GOLDEN)
     bits = _shift_right(_mix(keys[..., None] + torch.arange(vocab_size, device=seeds.device) * _GOLDEN), 40)
-    return -torch.log(-torch.log((bits.float() + 0.5) * 2.0**-24))
+    return -torch.log(-torch.log((bits.double() + 0.5) * 2.0**-24)).float()  # (in float32, u could round to 1)
+
+
+def top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`[B, T, V]` scores outside each row's nucleus (`top_p` `[B]`: the fewest most likely tokens whose probability
+    reaches it) set to -inf."""
+    ordered, order = scores.sort(-1, descending=True)
+    probs = ordered.softmax(-1)
+    outside = (probs.cumsum(-1) - probs >= top_p[:, None, None]) & (top_p < 1)[:, None, None]  # nucleus complete
+    return scores.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), -torch.inf)
 
 
 class TokenSelector:
-    """Chooses tokens from processed scores: argmax, a sample, or seeded (`seeds` `[B0]`, with `do_sample`)."""
+    """Chooses tokens from processed scores: argmax, a sample, or seeded (`seeds` `[B0]`, with `do_sample`). Seeded
+    rows may have their own `temperature` and `top_p` (`[B0]`; temperature 0: the row is greedy)."""
 
     def __init__(self, do_sample: bool, seeds: torch.LongTensor | None = None):
         self.do_sample = do_sample
         self.seeds = seeds
+        self.temperature = self.top_p = None
+        self.filters_top_p = False  # some row was given top_p < 1 (on the host)
+
+    def set_rows(self, rows: list[int], seeds: list[int], temperature: list[float], top_p: list[float],
+                 device) -> None:
+        """Per-row seeded sampling settings of the call's `rows` (growing the tables to hold them)."""
+        size, self.filters_top_p = max(rows) + 1, self.filters_top_p or min(top_p) < 1
+        for name, values in (("seeds", seeds), ("temperature", temperature), ("top_p", top_p)):
+            table = getattr(self, name)
+            if table is None:
+                table = torch.zeros(0, dtype=torch.long if name == "seeds" else torch.float32, device=device)
+            if len(table) < size:
+                table = torch.cat([table, table.new_zeros(size - len(table))])
+            table[rows] = torch.tensor(values, dtype=table.dtype, device=device)
+            setattr(self, name, table)
 
     @property
     def rejection_sampling(self) -> bool:
@@ -116,7 +141,13 @@ class TokenSelector:
             return scores
         rows = batch.row_ids
         positions = batch.num_generated[rows, None] + offset + torch.arange(scores.shape[1], device=rows.device)
-        return scores + gumbel_noise(self.seeds[rows], positions, scores.shape[-1])
+        noise = gumbel_noise(self.seeds[rows], positions, scores.shape[-1])
+        if self.temperature is None:
+            return scores + noise
+        temperature, top_p = self.temperature[rows, None, None], self.top_p[rows]
+        sampled = temperature > 0
+        scores = torch.where(sampled, scores / temperature.clamp(min=1e-6), scores)
+        return torch.where(sampled, (top_p_filter(scores, top_p) if self.filters_top_p else scores) + noise, scores)
 
     def __call__(self, scores: torch.Tensor, batch: RaggedBatch, offset: int = 0) -> torch.LongTensor:
         """`[B, T, V]` scores -> `[B, T]` tokens."""
@@ -134,12 +165,11 @@ class Committer:
     """Appends committed tokens to rows; EOS and `max_new_tokens` are vectorised, any other stopping criterion is
     evaluated on each row's prefix after every committed token."""
 
-    def __init__(self, stopping_criteria, generation_config: GenerationConfig, max_new_tokens: int, streamer=None):
+    def __init__(self, stopping_criteria, generation_config: GenerationConfig, streamer=None):
         self.extra_criteria = StoppingCriteriaList(
             c for c in stopping_criteria or [] if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria)))
         self.eos_token_ids = generation_config._eos_token_tensor
         self.pad_token_id = pad_token_id(generation_config)
-        self.max_new_tokens = max_new_tokens
         self.streamer = streamer
 
     def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
@@ -147,7 +177,7 @@ class Committer:
         finished commit nothing)."""
         offsets = batch.positions[: tokens.shape[1]]
         generated = batch.num_generated[batch.row_ids]
-        remaining = self.max_new_tokens - generated
+        remaining = batch.max_new[batch.row_ids] - generated
         finished = batch.finished | (counts >= remaining)
         counts = torch.minimum(counts, remaining).masked_fill_(batch.finished, 0)
         if self.eos_token_ids is not None:

@@ -7,7 +7,8 @@ The drafter folder's `custom_generate/generate.py` (with its siblings: it import
 takes `generate`'s arguments and four of its own: `companion_model` (a `CompanionForVerification`, whose (S, A)
 signals the goodput scheduler reads), `speculation_config` (a `SpeculationConfig` or a dict of its fields),
 `sampling_seeds` (one int per row: its sampled text then depends only on its seed) and `row_finished` (called with
-a `FinishedRow` as each row ends). transformers' assisted-generation names work too (`num_assistant_tokens`, ...).
+a `FinishedRow` as each row ends; a `RowFeed` keeps the call running, as a server's engine). transformers'
+assisted-generation names work too (`num_assistant_tokens`, ...).
 `assistant_model` is a SpecFormer drafter or a `Proposer`; the output's `speculation_stats` is a `SpecStats`.
 """
 
