@@ -3,6 +3,7 @@ streamed and not; seeded answers independent of the batch; stop strings; cancell
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -23,26 +24,35 @@ KEY = "test-key"
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def served(tokenizer):
-    """A live server on a free port: a tiny float64 chat target, a random drafter, 4 rows and 4 waiting."""
-    target = tiny_chat_target(tokenizer)
-    engine = Engine(target, tokenizer, make_drafter(target), max_batch_size=4, max_prompt_tokens=64,
-                    max_tokens=MAX_TOKENS, max_waiting=4)
+@contextlib.contextmanager
+def live_server(engine: Engine, **app_kwargs):
+    """`engine` behind a live server on a free port of 127.0.0.1; yields its URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", api_key=KEY, max_body_bytes=4096),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", **app_kwargs), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     engine.start()
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    yield engine, target, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    engine.stop(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.stop(10)
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    """A live server: a tiny float64 chat target, a random drafter, 4 rows and 4 waiting, a key, 4 KiB bodies."""
+    target = tiny_chat_target(tokenizer)
+    engine = Engine(target, tokenizer, make_drafter(target), max_batch_size=4, max_prompt_tokens=64,
+                    max_tokens=MAX_TOKENS, max_waiting=4)
+    with live_server(engine, api_key=KEY, max_body_bytes=4096) as url:
+        yield engine, target, url
 
 
 @pytest.fixture
@@ -222,3 +232,35 @@ def test_the_key_guards_every_endpoint_but_health(served, client):
     assert "hf_specformer_requests_total" in metrics and "hf_specformer_step_seconds_count" in metrics
     assert client.chat.completions.create(model="tiny", messages=chat("Hi"), max_tokens=3).choices[0].message.content \
         is not None  # still answering after the refusals
+
+
+def test_256_requests_from_32_clients_some_leaving(tokenizer):
+    """32 clients send 256 streamed greedy requests (16 prompts, 4 lengths) to 16 rows; one request in ten is
+    dropped after its first chunk. None fails or is lost, every completed answer is plain `generate`'s, and the server
+    ends with nothing in flight."""
+    target = tiny_chat_target(tokenizer)
+    engine = Engine(target, tokenizer, make_drafter(target), max_batch_size=16, max_prompt_tokens=64, max_tokens=16,
+                    max_waiting=64)
+    contents = [f"{prompt} ({i})" for i, prompt in enumerate(CHAT_PROMPTS * 3)][:16]
+    expected = {(c, n): chat_reference(target, tokenizer, c, n) for c in contents for n in (4, 8, 12, 16)}
+    with live_server(engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i: int):
+            content, length = contents[i % 16], (4, 8, 12, 16)[i // 16 % 4]
+            stream = client.chat.completions.create(model="tiny", messages=chat(content), max_tokens=length,
+                                                    temperature=0, stream=True)
+            if i % 10 == 3:
+                next(iter(stream))
+                stream.close()
+                return None
+            return content, length, "".join(c.choices[0].delta.content or "" for c in stream)
+
+        started = time.time()
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(ask, range(256)))
+        assert time.time() - started < 300
+        wait_idle(engine)
+    completed = [answer for answer in answers if answer is not None]
+    assert len(completed) == 256 - 26 and engine.metrics["failed"] == 0 and engine.metrics["requests"] == 256
+    assert all(text == expected[content, length] for content, length, text in completed)

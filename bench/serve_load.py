@@ -1,0 +1,152 @@
+"""Closed-loop load on OpenAI-compatible servers, one server at a time, alternated per concurrency: ours
+(`hf-specformer serve`), ours without speculation (`--plain`), and `transformers serve --continuous-batching` on the
+same SmolLM2 weights (saved once with `save_pretrained` from the GGUF load).
+
+    python bench/serve_load.py --concurrency 1 4 16 --output bench/smollm2_cpu_serve
+
+C clients each send greedy streamed chat requests (MT-bench first turns, else the shipped chat set) one after
+another until the round's requests are answered. Per server and C: output tokens/s, time to first token and time
+per output token after the first (p50, p99), kappa where the server reports accepted drafts, and how many answers
+differ from the anchor's. JSON + PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from openai import OpenAI
+
+from hf_specformer.data.prompts import bench_prompts, mtbench_prompts
+from hf_specformer.targets import describe_machine, load_target, load_tokenizer
+
+
+def servers(anchor_dir: str, port: int) -> dict:
+    """name -> (command, the `model` its clients name)."""
+    ours = [sys.executable, "-m", "hf_specformer.apps.cli", "serve", "--port", str(port), "--max-batch-size", "16"]
+    return {"ours": (ours, "smollm2"), "ours, plain steps": (ours + ["--plain"], "smollm2"),
+            "transformers serve": ([str(Path(sys.executable).parent / "transformers"), "serve", anchor_dir,
+                                    "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--port",
+                                    str(port), "--host", "127.0.0.1", "--log-level", "warning"], anchor_dir)}
+
+
+def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 300) -> None:
+    end = time.time() + seconds
+    while time.time() < end:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} did not answer /health in {seconds} s")
+
+
+def one_request(client: OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
+    start, first, pieces, accepted = time.perf_counter(), None, [], None
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            pieces.append(chunk.choices[0].delta.content)
+        details = getattr(getattr(chunk, "usage", None), "completion_tokens_details", None)
+        accepted = getattr(details, "accepted_prediction_tokens", accepted)
+    return {"text": "".join(pieces), "start": start, "first": first or time.perf_counter(),
+            "end": time.perf_counter(), "accepted": accepted}
+
+
+def load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, tokenizer) -> list[dict]:
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(lambda p: one_request(client, model, p, max_tokens), prompts))
+    for answer in answers:
+        answer["tokens"] = len(tokenizer(answer["text"], add_special_tokens=False).input_ids)
+    return answers
+
+
+def summary(answers: list[dict]) -> dict:
+    def quantile(values, q):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    seconds = max(a["end"] for a in answers) - min(a["start"] for a in answers)
+    ttft = [a["first"] - a["start"] for a in answers]
+    tpot = [(a["end"] - a["first"]) / (a["tokens"] - 1) for a in answers if a["tokens"] > 1]
+    kappas = [a["tokens"] / (a["tokens"] - a["accepted"]) for a in answers
+              if a["accepted"] is not None and a["tokens"] > a["accepted"]]
+    return {"requests": len(answers), "seconds": seconds, "output_tokens": sum(a["tokens"] for a in answers),
+            "tokens_per_second": sum(a["tokens"] for a in answers) / seconds,
+            "ttft_p50": quantile(ttft, 0.5), "ttft_p99": quantile(ttft, 0.99), "tpot_p50": quantile(tpot, 0.5),
+            "tpot_p99": quantile(tpot, 0.99), "kappa": statistics.mean(kappas) if kappas else None}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(row["server"] for row in rows):
+        mine = [row for row in rows if row["server"] == name]
+        left.plot([r["concurrency"] for r in mine], [r["tokens_per_second"] for r in mine], marker="o", label=name)
+        right.plot([r["concurrency"] for r in mine], [1000 * r["tpot_p50"] for r in mine], marker="o", label=name)
+    left.set(xlabel="concurrent clients", ylabel="output tokens/s", xscale="log", title="throughput")
+    right.set(xlabel="concurrent clients", ylabel="ms per output token (p50)", xscale="log", title="latency")
+    left.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=None, help="per round (default: max(8, 2 C))")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--anchor-dir", default="runs/smollm2-hf", help="SmolLM2 saved for transformers serve")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--output", required=True, help="writes OUTPUT.json and OUTPUT.png")
+    args = parser.parse_args()
+    tokenizer = load_tokenizer()
+    if not (Path(args.anchor_dir) / "config.json").exists():
+        load_target().save_pretrained(args.anchor_dir)
+        tokenizer.save_pretrained(args.anchor_dir)
+    prompts = mtbench_prompts() or bench_prompts(["chat"])
+    url, rows, texts = f"http://127.0.0.1:{args.port}", [], {}
+    for concurrency in args.concurrency:
+        count = args.requests or max(8, 2 * concurrency)
+        round_prompts = (prompts * count)[:count]
+        for name, (command, model) in servers(args.anchor_dir, args.port).items():
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_healthy(url, process)
+                load(url, model, round_prompts[:2], min(2, concurrency), 8, tokenizer)  # warm-up
+                answers = load(url, model, round_prompts, concurrency, args.max_tokens, tokenizer)
+            finally:
+                process.terminate()
+                process.wait(60)
+            texts[name, concurrency] = [a["text"] for a in answers]
+            row = {"server": name, "concurrency": concurrency, **summary(answers)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for row in rows:
+        anchor = texts[("transformers serve", row["concurrency"])]
+        row["answers_differing_from_anchor"] = sum(
+            a != b for a, b in zip(texts[row["server"], row["concurrency"]], anchor))
+    report = {"machine": describe_machine("cpu", "float32"), "max_tokens": args.max_tokens, "results": rows}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output + ".json").write_text(json.dumps(report, indent=1, allow_nan=False))
+    plot(rows, Path(args.output + ".png"))
+    print(f"wrote {args.output}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
