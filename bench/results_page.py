@@ -28,6 +28,9 @@ OTHER_REPORTS = {
     "smollm2_gpu_round_heldout": "the GPU training round that made the shipped drafter (held-out kappa)",
     "smollm2_shape_random_h100_bf16": "the one CUDA run on record: random weights of SmolLM2's shape, H100, bf16",
     "calibration_smollm2": "acceptance tables of the drafter and the companion (`hf-specformer calibrate`)",
+    "smollm2_cpu_serve": "`hf-specformer serve` against `transformers serve --continuous-batching`, C concurrent "
+                         "clients (`python bench/serve_load.py --concurrency 1 4 16 32 --output "
+                         "bench/smollm2_cpu_serve`; docs/serving.md)",
 }
 
 

@@ -13,6 +13,7 @@ differ from the anchor's. JSON + PNG.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -26,6 +27,15 @@ from openai import OpenAI
 
 from hf_specformer.data.prompts import bench_prompts, mtbench_prompts
 from hf_specformer.targets import describe_machine, load_target, load_tokenizer
+
+
+def save_plain_copy(model, folder: str) -> None:
+    """`model`'s dequantized weights as a plain checkpoint (a GGUF-loaded model refuses `save_pretrained`)."""
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(folder)
 
 
 def servers(anchor_dir: str, port: int) -> dict:
@@ -117,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = load_tokenizer()
     if not (Path(args.anchor_dir) / "config.json").exists():
-        load_target().save_pretrained(args.anchor_dir)
+        save_plain_copy(load_target(), args.anchor_dir)
         tokenizer.save_pretrained(args.anchor_dir)
     prompts = mtbench_prompts() or bench_prompts(["chat"])
     url, rows, texts = f"http://127.0.0.1:{args.port}", [], {}

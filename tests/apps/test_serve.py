@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -264,3 +267,37 @@ def test_256_requests_from_32_clients_some_leaving(tokenizer):
     completed = [answer for answer in answers if answer is not None]
     assert len(completed) == 256 - 26 and engine.metrics["failed"] == 0 and engine.metrics["requests"] == 256
     assert all(text == expected[content, length] for content, length, text in completed)
+
+
+def test_sigterm_lets_the_stream_in_flight_finish(tmp_path, tokenizer):
+    """`hf-specformer serve` as a process: SIGTERM during a stream lets the stream end (its last chunk, with its
+    finish reason and usage), then the process ends."""
+    folder = tmp_path / "tiny"
+    tiny_chat_target(tokenizer).float().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "hf_specformer.apps.cli", "serve", "--model", str(folder),
+                                "--drafter", "untrained", "--port", str(port), "--max-prompt-tokens", "64",
+                                "--max-tokens", "400", "--threads", "1"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and process.poll() is None:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(model=str(folder), messages=chat("Hi!"), max_tokens=400,
+                                                temperature=0, stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        process.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason in ("length", "stop") and rest[-1].usage.completion_tokens > 1
+        assert process.wait(60) in (0, -signal.SIGTERM)  # (uvicorn re-raises the signal once it has drained)
+    finally:
+        process.kill()

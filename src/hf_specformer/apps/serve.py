@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from ..cpu import cpu_products
 from ..generation import generate
 from ..generation.batch import NewRow, RowFeed
 from ..generation.proposers import NoDrafts
@@ -210,11 +211,13 @@ class Engine(RowFeed):
         self.initial_rows, self.requests, self.handed, self.last_poll = [first.row], {0: first}, [], None
         speculation = {"max_batch_size": self.max_batch_size, "memory_budget": self.memory_budget_gib and
                        self.memory_budget_gib * 2**30}
-        generate(self.target, input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_tokens,
-                 do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad,
-                 assistant_model=self.drafter if self.drafter is not None else NoDrafts(),
-                 companion_model=self.companion, sampling_seeds=[first.row.seed], row_finished=self,
-                 speculation_config={k: v for k, v in speculation.items() if v})
+        models = [model for model in (self.target, self.drafter, self.companion) if model is not None]
+        with cpu_products(*models):  # (on the CPU: the few-row products, for plain steps as for speculation)
+            generate(self.target, input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_tokens,
+                     do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad,
+                     assistant_model=self.drafter if self.drafter is not None else NoDrafts(),
+                     companion_model=self.companion, sampling_seeds=[first.row.seed], row_finished=self,
+                     speculation_config={k: v for k, v in speculation.items() if v})
 
 
 # ----- requests and responses ------------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ def gumbel_noise(seeds: torch.LongTensor, positions: torch.LongTensor, vocab_siz
     (seed, position, token) always gives the same value, on any device and in any batch."""
     keys = _mix(_mix(seeds[:, None] * _GOLDEN + positions) + _GOLDEN)
     bits = _shift_right(_mix(keys[..., None] + torch.arange(vocab_size, device=seeds.device) * _GOLDEN), 40)
-    return -torch.log(-torch.log((bits.double() + 0.5) * 2.0**-24)).float()  # (in float32, u could round to 1)
+    uniform = ((bits.float() + 0.5) * 2.0**-24).clamp(max=1 - 2.0**-24)  # the largest would round to 1: +inf
+    return -torch.log(-torch.log(uniform))
 
 
 def top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -114,12 +115,13 @@ class TokenSelector:
         self.do_sample = do_sample
         self.seeds = seeds
         self.temperature = self.top_p = None
-        self.filters_top_p = False  # some row was given top_p < 1 (on the host)
+        self.filters_top_p, self.sampled_rows = False, set()  # (on the host) some row's top_p < 1; rows that sample
 
     def set_rows(self, rows: list[int], seeds: list[int], temperature: list[float], top_p: list[float],
                  device) -> None:
         """Per-row seeded sampling settings of the call's `rows` (growing the tables to hold them)."""
         size, self.filters_top_p = max(rows) + 1, self.filters_top_p or min(top_p) < 1
+        self.sampled_rows = (self.sampled_rows - set(rows)) | {row for row, t in zip(rows, temperature) if t > 0}
         for name, values in (("seeds", seeds), ("temperature", temperature), ("top_p", top_p)):
             table = getattr(self, name)
             if table is None:
@@ -139,6 +141,8 @@ class TokenSelector:
         `num_generated + offset + j` (seeded: plus the row's noise)."""
         if self.seeds is None:
             return scores
+        if self.temperature is not None and self.sampled_rows.isdisjoint(batch.host_rows):
+            return scores  # every row is greedy
         rows = batch.row_ids
         positions = batch.num_generated[rows, None] + offset + torch.arange(scores.shape[1], device=rows.device)
         noise = gumbel_noise(self.seeds[rows], positions, scores.shape[-1])

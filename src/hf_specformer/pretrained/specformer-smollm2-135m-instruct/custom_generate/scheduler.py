@@ -54,6 +54,10 @@ HANDOFF_MARGIN = 0.02
 HANDOFF_BACKOFF = 32
 """Plain steps after the first hand-off before speculation is tried again (doubled after each further one)."""
 
+MAX_HANDOFF_DOUBLINGS = 2
+"""Doublings of the back-off at most: a call that keeps running (a server's) tries again every 128 plain steps, so
+speculation that never pays costs it at most `HANDOFF_LOSS` plain steps in 128."""
+
 
 class StepClock:
     """Times steps without blocking: the wall clock on the CPU, CUDA events read once complete on a GPU. `lap(label)`
@@ -174,8 +178,8 @@ class HandOff:
     """The guard, a one-sided CUSUM test: each verifying step adds its seconds minus (1 + `HANDOFF_MARGIN`) times
     what plain steps would have taken for the tokens it committed, to a deficit floored at -`HANDOFF_CREDIT` plain
     steps (a call starts there); proposing for the next step is added after the test, weighed with the step that
-    reaps it. Beyond `HANDOFF_LOSS` plain steps the call runs `HANDOFF_BACKOFF` x 2^(n - 1) plain steps (the n-th
-    hand-off). Each spell of speculation thus loses at most a bounded number of plain steps' time."""
+    reaps it. Beyond `HANDOFF_LOSS` plain steps the call runs `HANDOFF_BACKOFF` x 2^min(n - 1, 2) plain steps (the
+    n-th hand-off). Each spell of speculation thus loses at most a bounded number of plain steps' time."""
 
     def __init__(self):
         self.deficit: float | None = None
@@ -197,7 +201,7 @@ class HandOff:
             self.deficit = max(self.deficit + seconds - (1 + HANDOFF_MARGIN) * plain * committed,
                                -HANDOFF_CREDIT * plain)
         if self.deficit > HANDOFF_LOSS * plain:
-            self.plain_steps_left = HANDOFF_BACKOFF * 2**self.handoffs
+            self.plain_steps_left = HANDOFF_BACKOFF * 2 ** min(self.handoffs, MAX_HANDOFF_DOUBLINGS)
             self.handoffs += 1
             self.deficit = 0.0
         elif step.proposing:
