@@ -85,8 +85,9 @@ def main() -> None:
             tqdm.write(f"B={batch_size} {row['call']}: {row['speedup']:.2f}x plain, "
                        f"{row.get('speedup_over_plain_cpu', 0):.2f}x plain+cpu, kappa {row.get('kappa', 1):.2f}, "
                        f"{row['mismatched_rows']} rows differ")
-        _write({"config": {**asdict(config), **vars(args)}, "machine": describe_machine(target.device, config.dtype), "results": rows},
-               args.output, host=False)  # after every batch size: an interrupted run keeps what it measured
+        # after every batch size: an interrupted run keeps what it measured
+        _write({"config": {**asdict(config), **vars(args)}, "machine": describe_machine(target.device, config.dtype),
+                "results": rows}, args.output, host=False)
 
 
 if __name__ == "__main__":

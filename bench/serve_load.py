@@ -2,7 +2,8 @@
 (`hf-specformer serve`), ours without speculation (`--plain`), and `transformers serve --continuous-batching` on the
 same SmolLM2 weights (saved once with `save_pretrained` from the GGUF load).
 
-    python bench/serve_load.py --concurrency 1 4 16 --output bench/smollm2_cpu_serve
+    python bench/serve_load.py --concurrency 1 4 16 32 --output bench/smollm2_cpu_serve
+    python bench/serve_load.py --soak-seconds 600 --output bench/smollm2_cpu_serve_soak   # 32 clients, ours alone
 
 C clients each send greedy streamed chat requests (MT-bench first turns, else the shipped chat set) one after
 another until the round's requests are answered. Per server and C: output tokens/s, time to first token and time
@@ -14,15 +15,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 from openai import OpenAI
 
 from hf_specformer.data.prompts import bench_prompts, mtbench_prompts
@@ -98,6 +102,57 @@ def summary(answers: list[dict]) -> dict:
             "tpot_p99": quantile(tpot, 0.99), "kappa": statistics.mean(kappas) if kappas else None}
 
 
+def resident_mib(pid: int) -> float:
+    return int(next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS"))) / 1024
+
+
+def soak(url: str, pid: int, prompts: list[str], seconds: float, clients: int, max_tokens: int) -> dict:
+    """`clients` closed-loop clients for `seconds`: of each ten requests one is dropped after its first chunk and one
+    is bad (answered 400), the others are greedy and must equal the first answer to the same prompt. The server's
+    resident memory is sampled every 10 s and compared after the warm-up."""
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    first, counts, lock, end = {}, dict.fromkeys(("good", "differing", "failed", "dropped", "bad"), 0), \
+        threading.Lock(), time.time() + seconds
+
+    def run(index: int) -> None:
+        for i in itertools.count(index * 7):
+            if time.time() > end:
+                return
+            prompt, kind = prompts[i % len(prompts)], ("dropped" if i % 10 == 3 else "bad" if i % 10 == 7 else "good")
+            try:
+                if kind == "bad":
+                    client.chat.completions.create(model="smollm2", messages=[], max_tokens=max_tokens)
+                    kind = "failed"  # a bad request answered as a good one
+                else:
+                    stream = client.chat.completions.create(
+                        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                        temperature=0, stream=True)
+                    if kind == "dropped":
+                        next(iter(stream))
+                        stream.close()
+                    else:
+                        text = "".join(c.choices[0].delta.content or "" for c in stream)
+                        with lock:
+                            kind = "good" if first.setdefault(prompt, text) == text else "differing"
+            except openai.BadRequestError:
+                pass
+            except Exception:  # noqa: BLE001 (counted: any failure of a good request)
+                kind = "failed"
+            with lock:
+                counts[kind] += 1
+
+    memory, started = [], time.time()
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(run, index) for index in range(clients)]
+        while not all(future.done() for future in futures):
+            memory.append((time.time() - started, resident_mib(pid)))
+            time.sleep(10)
+    settled = [mib for t, mib in memory if t >= min(120.0, seconds / 4)]  # after the warm-up (two minutes at most)
+    return {"seconds": seconds, "clients": clients, **counts, "rss_mib": memory,
+            "rss_after_warmup_min": min(settled), "rss_after_warmup_max": max(settled),
+            "rss_growth": max(settled) / min(settled) - 1}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -124,7 +179,24 @@ def main() -> None:
     parser.add_argument("--anchor-dir", default="runs/smollm2-hf", help="SmolLM2 saved for transformers serve")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--output", required=True, help="writes OUTPUT.json and OUTPUT.png")
+    parser.add_argument("--soak-seconds", type=float, default=None,
+                        help="instead: ours alone at saturation this long, drops and bad requests mixed in")
     args = parser.parse_args()
+    if args.soak_seconds:
+        prompts = mtbench_prompts() or bench_prompts(["chat"])
+        url = f"http://127.0.0.1:{args.port}"
+        command = servers(args.anchor_dir, args.port)["ours"][0]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(url, process)
+            report = soak(url, process.pid, prompts, args.soak_seconds, 32, args.max_tokens)
+        finally:
+            process.terminate()
+            process.wait(60)
+        report = {"machine": describe_machine("cpu", "float32"), "max_tokens": args.max_tokens, **report}
+        Path(args.output + ".json").write_text(json.dumps(report, indent=1, allow_nan=False))
+        print(json.dumps({k: v for k, v in report.items() if k != "rss_mib"}))
+        return
     tokenizer = load_tokenizer()
     if not (Path(args.anchor_dir) / "config.json").exists():
         save_plain_copy(load_target(), args.anchor_dir)
