@@ -31,6 +31,9 @@ OTHER_REPORTS = {
     "smollm2_cpu_serve": "`hf-specformer serve` against `transformers serve --continuous-batching`, C concurrent "
                          "clients (`python bench/serve_load.py --concurrency 1 4 16 32 --output "
                          "bench/smollm2_cpu_serve`; docs/serving.md)",
+    "smollm2_cpu_serve_poisson": "the three servers under open-loop Poisson arrivals, 1 request per second "
+                                 "(`python bench/serve_load.py --poisson-rate 1.0 --output "
+                                 "bench/smollm2_cpu_serve_poisson`)",
     "smollm2_cpu_serve_soak": "ten minutes of `hf-specformer serve` at saturation with dropped and bad requests "
                               "(`python bench/serve_load.py --soak-seconds 600 --output bench/smollm2_cpu_serve_soak`)",
 }

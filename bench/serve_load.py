@@ -3,6 +3,7 @@
 same SmolLM2 weights (saved once with `save_pretrained` from the GGUF load).
 
     python bench/serve_load.py --concurrency 1 4 16 32 --output bench/smollm2_cpu_serve
+    python bench/serve_load.py --poisson-rate 1.0 --output bench/smollm2_cpu_serve_poisson   # open loop, 48 requests
     python bench/serve_load.py --soak-seconds 600 --output bench/smollm2_cpu_serve_soak   # 32 clients, ours alone
 
 C clients each send greedy streamed chat requests (MT-bench first turns, else the shipped chat set) one after
@@ -17,6 +18,7 @@ import argparse
 import copy
 import itertools
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -77,10 +79,22 @@ def one_request(client: OpenAI, model: str, prompt: str, max_tokens: int) -> dic
             "end": time.perf_counter(), "accepted": accepted}
 
 
-def load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, tokenizer) -> list[dict]:
+def load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, tokenizer,
+         rate: float | None = None) -> list[dict]:
+    """`concurrency` closed-loop clients; with `rate`, open loop instead: each request sent at Poisson arrival times
+    of `rate` per second (seeded), whatever is still running."""
     client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    with ThreadPoolExecutor(concurrency) as pool:
-        answers = list(pool.map(lambda p: one_request(client, model, p, max_tokens), prompts))
+    clock, arrivals = random.Random(0), []
+    for _ in prompts:
+        arrivals.append((arrivals[-1] if arrivals else 0.0) + (clock.expovariate(rate) if rate else 0.0))
+    start = time.perf_counter()
+
+    def send(item):
+        time.sleep(max(0.0, start + item[1] - time.perf_counter()))
+        return one_request(client, model, item[0], max_tokens)
+
+    with ThreadPoolExecutor(len(prompts) if rate else concurrency) as pool:
+        answers = list(pool.map(send, zip(prompts, arrivals)))
     for answer in answers:
         answer["tokens"] = len(tokenizer(answer["text"], add_special_tokens=False).input_ids)
     return answers
@@ -179,6 +193,8 @@ def main() -> None:
     parser.add_argument("--anchor-dir", default="runs/smollm2-hf", help="SmolLM2 saved for transformers serve")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--output", required=True, help="writes OUTPUT.json and OUTPUT.png")
+    parser.add_argument("--poisson-rate", type=float, default=None,
+                        help="instead of --concurrency: open-loop Poisson arrivals, this many requests per second")
     parser.add_argument("--soak-seconds", type=float, default=None,
                         help="instead: ours alone at saturation this long, drops and bad requests mixed in")
     args = parser.parse_args()
@@ -203,20 +219,20 @@ def main() -> None:
         tokenizer.save_pretrained(args.anchor_dir)
     prompts = mtbench_prompts() or bench_prompts(["chat"])
     url, rows, texts = f"http://127.0.0.1:{args.port}", [], {}
-    for concurrency in args.concurrency:
-        count = args.requests or max(8, 2 * concurrency)
+    for concurrency in [None] if args.poisson_rate else args.concurrency:
+        count = args.requests or (48 if args.poisson_rate else max(8, 2 * concurrency))
         round_prompts = (prompts * count)[:count]
         for name, (command, model) in servers(args.anchor_dir, args.port).items():
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait_healthy(url, process)
-                load(url, model, round_prompts[:2], min(2, concurrency), 8, tokenizer)  # warm-up
-                answers = load(url, model, round_prompts, concurrency, args.max_tokens, tokenizer)
+                load(url, model, round_prompts[:2], 2, 8, tokenizer)  # warm-up
+                answers = load(url, model, round_prompts, concurrency, args.max_tokens, tokenizer, args.poisson_rate)
             finally:
                 process.terminate()
                 process.wait(60)
             texts[name, concurrency] = [a["text"] for a in answers]
-            row = {"server": name, "concurrency": concurrency, **summary(answers)}
+            row = {"server": name, "concurrency": concurrency, "arrival_rate": args.poisson_rate, **summary(answers)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:
@@ -226,8 +242,9 @@ def main() -> None:
     report = {"machine": describe_machine("cpu", "float32"), "max_tokens": args.max_tokens, "results": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output + ".json").write_text(json.dumps(report, indent=1, allow_nan=False))
-    plot(rows, Path(args.output + ".png"))
-    print(f"wrote {args.output}.json and .png")
+    if not args.poisson_rate:
+        plot(rows, Path(args.output + ".png"))
+    print(f"wrote {args.output}.json" + ("" if args.poisson_rate else " and .png"))
 
 
 if __name__ == "__main__":
