@@ -281,10 +281,8 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         next_plan = _plan(call, batch, proposal, num_accepted)
 
         # 6. Read the step's outcome to the host: its one read
-        result = _read(call, batch, next_plan, num_accepted)
+        result = _read(call, batch, next_plan, num_accepted, width + 1)
         _record(call, batch, plan, counts, width, was_live, result)
-        if call.feed is not None:
-            _stream(call, batch, width + 1)
 
         # 7. Settle: report and retire finished rows, compact the caches
         step = TimedStep(batch.size, width, sum(was_live), sum(result.accepted), plan.draft_ids.shape[1] > 0, free,
@@ -374,14 +372,20 @@ def _companion_probs(call: _Call, batch: RaggedBatch, last_accepted, draft_ids) 
     return call.companion(hidden_states=states, input_ids=chain).logits.float().softmax(-1)
 
 
-def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None) -> StepResult:
-    """One host read of the accepted drafts, the finished rows, the longest row and the next plan's scores."""
+def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, window: int = 1) -> StepResult:
+    """One host read of the accepted drafts, the finished rows, the longest row and the next plan's scores, and for a
+    feed each row's last `window` tokens (`_tell`)."""
     size = batch.size
     parts = [batch.finished, batch.lengths.max()[None]] + ([] if num_accepted is None else [num_accepted])
+    parts += [] if call.feed is None else [_last_tokens(batch, window).flatten()]
     parts += [part.flatten() for part in (plan.scores, plan.free) if part is not None]
     values = call.read(torch.cat(parts).double())  # cat promotes to the widest dtype
     finished = [value > 0 for value in values[:size]]
     accepted = [int(value) for value in values[size + 1: 2 * size + 1]] if num_accepted is not None else []
+    if call.feed is not None:
+        start = size + 1 + len(accepted)
+        _tell(call, batch, [[int(v) for v in values[i: i + window + 1]]
+                            for i in range(start, start + size * (window + 1), window + 1)], window)
     host, end = [], len(values)
     for part in (plan.free, plan.scores):  # from the end
         start = end - (0 if part is None else part.numel())
@@ -458,8 +462,6 @@ def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan:
     call.proposer.flush(new, new_caches[1:])
     new_plan = _plan(call, new, proposal, last)
     result = _read(call, new, new_plan)
-    if call.feed is not None:
-        _stream(call, new, 1)
     for cache, part in zip(caches, new_caches, strict=True):
         cache.append_rows(part, call.slots)
     new_plan.scores, new_plan.free = result.scores, result.free
@@ -508,11 +510,15 @@ def _take_rows(call: _Call, batch: RaggedBatch, admissions: Admissions) -> bool:
     return True
 
 
-def _stream(call: _Call, batch: RaggedBatch, window: int) -> None:
-    """Tells the feed the tokens each active row committed since it last heard, `window` at most (one more read)."""
+def _last_tokens(batch: RaggedBatch, window: int) -> torch.LongTensor:
+    """`[B, 1 + window]`: each active row's count of generated tokens, then its last `window` tokens."""
     generated = batch.num_generated[batch.row_ids]
     columns = (batch.prompt_width + generated - window)[:, None] + batch.positions[:window]
-    values = call.read(torch.cat([generated[:, None], batch.tokens[batch.row_ids[:, None], columns.clamp(min=0)]], 1))
+    return torch.cat([generated[:, None], batch.tokens[batch.row_ids[:, None], columns.clamp(min=0)]], 1)
+
+
+def _tell(call: _Call, batch: RaggedBatch, values: list[list[int]], window: int) -> None:
+    """Tells the feed the tokens each active row committed since it last heard (`_last_tokens` on the host)."""
     rows, tokens = [], []
     for row, (count, *tail) in zip(batch.host_rows, values):
         if count > call.streamed[row] and row not in call.rows.reported:
