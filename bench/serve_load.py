@@ -5,11 +5,13 @@ same SmolLM2 weights (saved once with `save_pretrained` from the GGUF load).
     python bench/serve_load.py --concurrency 1 4 16 32 --output bench/smollm2_cpu_serve
     python bench/serve_load.py --poisson-rate 1.0 --output bench/smollm2_cpu_serve_poisson   # open loop, 48 requests
     python bench/serve_load.py --soak-seconds 600 --output bench/smollm2_cpu_serve_soak   # 32 clients, ours alone
+    python bench/serve_load.py --lossless --output bench/smollm2_cpu_serve_lossless   # 256 requests vs `generate`
 
-C clients each send greedy streamed chat requests (MT-bench first turns, else the shipped chat set) one after
-another until the round's requests are answered. Per server and C: output tokens/s, time to first token and time
-per output token after the first (p50, p99), kappa where the server reports accepted drafts, and how many answers
-differ from the anchor's. JSON + PNG.
+C clients each send greedy streamed chat requests (`--prompts`: by default MT-bench first turns, or the shipped chat
+set without them, interleaved with the project's passage and code prompts) one after another until the round's
+requests are answered. Per server and C: output tokens/s, time to first token and time per output token after the
+first (p50, p99), kappa where the server reports accepted drafts, and how many answers differ from the anchor's.
+JSON + PNG.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import openai
 from openai import OpenAI
 
-from hf_specformer.data.prompts import bench_prompts, mtbench_prompts
+from hf_specformer.data.prompts import bench_prompts
 from hf_specformer.targets import describe_machine, load_target, load_tokenizer
 
 
@@ -46,7 +48,8 @@ def save_plain_copy(model, folder: str) -> None:
 
 def servers(anchor_dir: str, port: int) -> dict:
     """name -> (command, the `model` its clients name)."""
-    ours = [sys.executable, "-m", "hf_specformer.apps.cli", "serve", "--port", str(port), "--max-batch-size", "16"]
+    ours = [sys.executable, "-m", "hf_specformer.apps.cli", "serve", "--port", str(port), "--max-batch-size", "16",
+            "--max-prompt-tokens", "2048"]
     return {"ours": (ours, "smollm2"), "ours, plain steps": (ours + ["--plain"], "smollm2"),
             "transformers serve": ([str(Path(sys.executable).parent / "transformers"), "serve", anchor_dir,
                                     "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--port",
@@ -167,6 +170,53 @@ def soak(url: str, pid: int, prompts: list[str], seconds: float, clients: int, m
             "rss_growth": max(settled) / min(settled) - 1}
 
 
+def lossless(url: str, prompts: list[str], tokenizer, reference: dict[str, list[int]], clients: int = 32,
+             drop_every: int | None = None) -> dict:
+    """256 greedy streamed requests (`prompts` at 16, 32, 48 and 64 new tokens) from `clients` clients against
+    `reference`, their plain `generate` answers (64 tokens, of which an answer of n tokens is the first n); with
+    `drop_every`, one request in that many is dropped after its first chunk."""
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    counts = dict.fromkeys(("identical", "differing", "failed", "dropped"), 0)
+
+    def ask(i: int) -> str:
+        prompt, length = prompts[i % len(prompts)], (16, 32, 48, 64)[i // len(prompts) % 4]
+        try:
+            stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=length, temperature=0, stream=True)
+            if drop_every and i % drop_every == 3:
+                next(iter(stream))
+                stream.close()
+                return "dropped"
+            text = "".join(c.choices[0].delta.content or "" for c in stream)
+        except Exception:  # noqa: BLE001 (counted: any failure)
+            return "failed"
+        return "identical" if text == tokenizer.decode(reference[prompt][:length], skip_special_tokens=True) \
+            else "differing"
+
+    started = time.time()
+    with ThreadPoolExecutor(clients) as pool:
+        for kind in pool.map(ask, range(256)):
+            counts[kind] += 1
+    return {"requests": 256, "clients": clients, "drop_every": drop_every, "seconds": time.time() - started,
+            **counts}
+
+
+def plain_answers(prompts: list[str], max_new_tokens: int, tokenizer) -> dict[str, list[int]]:
+    """prompt -> the target's plain greedy `generate` tokens for it as a chat turn, one prompt at a time."""
+    import torch
+
+    target = load_target()
+    answers = {}
+    for prompt in dict.fromkeys(prompts):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True).input_ids
+        with torch.no_grad():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False)
+        answers[prompt] = out[0, ids.shape[1]:].tolist()
+    return answers
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -197,19 +247,30 @@ def main() -> None:
                         help="instead of --concurrency: open-loop Poisson arrivals, this many requests per second")
     parser.add_argument("--soak-seconds", type=float, default=None,
                         help="instead: ours alone at saturation this long, drops and bad requests mixed in")
+    parser.add_argument("--lossless", action="store_true",
+                        help="instead: ours alone, 256 requests from 32 clients (then 1 in 10 dropped) vs generate")
+    parser.add_argument("--prompts", nargs="+", default=["mixed"], help="prompt sets (default: %(default)s)")
     args = parser.parse_args()
-    if args.soak_seconds:
-        prompts = mtbench_prompts() or bench_prompts(["chat"])
+    prompts = bench_prompts(args.prompts)
+    if args.soak_seconds or args.lossless:
         url = f"http://127.0.0.1:{args.port}"
+        if args.lossless:
+            tokenizer = load_tokenizer()
+            reference = plain_answers(prompts[:64], 64, tokenizer)
         command = servers(args.anchor_dir, args.port)["ours"][0]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_healthy(url, process)
-            report = soak(url, process.pid, prompts, args.soak_seconds, 32, args.max_tokens)
+            if args.lossless:
+                report = {"runs": [lossless(url, prompts[:64], tokenizer, reference, drop_every=drop)
+                                   for drop in (None, 10)]}
+            else:
+                report = soak(url, process.pid, prompts, args.soak_seconds, 32, args.max_tokens)
         finally:
             process.terminate()
             process.wait(60)
-        report = {"machine": describe_machine("cpu", "float32"), "max_tokens": args.max_tokens, **report}
+        report = {"machine": describe_machine("cpu", "float32"), "prompts": args.prompts,
+                  "max_tokens": args.max_tokens, **report}
         Path(args.output + ".json").write_text(json.dumps(report, indent=1, allow_nan=False))
         print(json.dumps({k: v for k, v in report.items() if k != "rss_mib"}))
         return
@@ -217,7 +278,6 @@ def main() -> None:
     if not (Path(args.anchor_dir) / "config.json").exists():
         save_plain_copy(load_target(), args.anchor_dir)
         tokenizer.save_pretrained(args.anchor_dir)
-    prompts = mtbench_prompts() or bench_prompts(["chat"])
     url, rows, texts = f"http://127.0.0.1:{args.port}", [], {}
     for concurrency in [None] if args.poisson_rate else args.concurrency:
         count = args.requests or (48 if args.poisson_rate else max(8, 2 * concurrency))

@@ -184,6 +184,23 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(served, client, tokenize
     assert not engine.requests
 
 
+def test_a_client_that_leaves_a_whole_answer_frees_its_slot(tokenizer):
+    """A non-streamed request for 3,000 plain tokens whose client gives up after 0.3 s: its row ends long before
+    its answer would have, and the server answers the next request."""
+    target = tiny_chat_target(tokenizer)
+    target.config.max_position_embeddings = 4096  # (rotary embeddings do not depend on it)
+    engine = Engine(target, tokenizer, max_batch_size=2, max_prompt_tokens=32, max_tokens=3000)
+    with live_server(engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="tiny", messages=chat("Hi"), max_tokens=3000, temperature=0)
+        wait_idle(engine, 2)
+        assert engine.metrics["left"] == 1 and engine.metrics["tokens"] < 1000
+        answer = client.with_options(timeout=60).chat.completions.create(model="tiny", messages=chat("Hi"),
+                                                                          max_tokens=4, temperature=0)
+        assert answer.choices[0].message.content == chat_reference(target, tokenizer, "Hi", 4)
+
+
 def test_overload_is_answered_with_429(served, tokenizer):
     """More requests than rows and waiting places: the surplus get 429 with Retry-After, the others their answers."""
     engine, target, url = served
@@ -210,7 +227,7 @@ def test_overload_is_answered_with_429(served, tokenizer):
     ({"model": "tiny", "messages": chat("Hi"), "max_tokens": MAX_TOKENS + 1}, 400, "max_tokens"),
     ({"model": "tiny", "messages": chat("Hi"), "temperature": "hot"}, 400, "temperature"),
     ({"model": "tiny", "messages": chat("word " * 100)}, 400, "messages"),
-    ({"model": "other", "messages": chat("Hi")}, 404, "model"),
+    ({"model": "other", "messages": chat("Hi")}, 400, "model"),
     ({"model": "tiny", "messages": chat("x" * 5000)}, 413, None),
 ])
 def test_bad_input_is_answered_in_openais_shape(served, body, status, param):

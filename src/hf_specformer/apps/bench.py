@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from ..cpu import cpu_products
 from ..data.prompts import bench_prompts, chat_batches
-from ..generation import OracleProposer, Proposal, Proposer, StepCosts, generate
+from ..generation import OracleProposer, Proposal, Proposer, generate
 from ..targets import (DEFAULT_TARGET, DTYPES, default_device, describe_machine, load_drafter, load_target,
                        load_tokenizer, timed)
 from .ties import classify_rows
@@ -71,13 +71,12 @@ def _calls(target, drafter, config: BenchConfig) -> dict:
     """Name -> call(batch, reference, generate arguments) -> sequences or output, for one batch size."""
     cpu = target.device.type == "cpu"
     backend = (lambda: cpu_products(target, drafter)) if cpu else contextlib.nullcontext
-    costs = {schedule: StepCosts() for schedule in config.schedules}  # kept across the batches of a batch size
 
     def ours(schedule: str):
         def call(batch, reference, kwargs):
             with backend():
                 return generate(target, **batch, assistant_model=drafter, return_dict_in_generate=True, **kwargs,
-                                speculation_config={"schedule": schedule, "step_costs": costs.get(schedule)})
+                                speculation_config={"schedule": schedule})
         return call
 
     def oracle(batch, reference, kwargs):

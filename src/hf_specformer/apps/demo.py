@@ -19,7 +19,7 @@ import torch
 from ..cpu import cpu_products
 from ..data.batching import cut_after_eos
 from ..data.prompts import CODE_PROMPTS, chat_prompt_ids, interleaved, load_prompts, passage_prompts
-from ..generation import StepCosts, generate, generate_batch
+from ..generation import generate, generate_batch
 from ..targets import DEFAULT_TARGET, DTYPES, default_device, load_drafter, load_target, load_tokenizer, timed
 
 
@@ -44,7 +44,6 @@ def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new
     eos = {tokenizer.eos_token_id}
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
-    costs = StepCosts()  # what the calls learn of this machine's step costs, kept from one call to the next
 
     def static(rows: list[list[int]], speculative: bool):
         width = max(map(len, rows))
@@ -53,7 +52,7 @@ def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new
         if not speculative:
             return _answers(target.generate(input_ids=input_ids, attention_mask=mask, **kwargs), width, eos), None
         output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter,
-                          return_dict_in_generate=True, speculation_config={"step_costs": costs}, **kwargs)
+                          return_dict_in_generate=True, **kwargs)
         stats = output.speculation_stats
         return _answers(output.sequences, width, eos), (stats.row_steps, stats.accepted)
 
@@ -69,7 +68,7 @@ def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new
     def ours_batch():
         with backend():
             outputs = generate_batch(target, ids, assistant_model=drafter, max_batch_size=slots, progress_bar=False,
-                                     speculation_config={"step_costs": costs}, **kwargs)
+                                     **kwargs)
         return [o.generated_tokens for o in outputs], (sum(o.steps for o in outputs),
                                                       sum(o.accepted_drafts for o in outputs))
 

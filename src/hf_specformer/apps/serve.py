@@ -27,9 +27,9 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -89,7 +89,7 @@ class Engine(RowFeed):
         self.handed: list[Request] = []  # requests the last poll handed over, until their rows are known
         self.in_flight, self.lock = 0, threading.Lock()
         self.stopping = threading.Event()
-        self.metrics = dict.fromkeys(("requests", "failed", "tokens", "accepted", "steps", "step_seconds",
+        self.metrics = dict.fromkeys(("requests", "failed", "left", "tokens", "accepted", "steps", "step_seconds",
                                       "peak_rows"), 0)
         self.last_poll: float | None = None
         self.thread = threading.Thread(target=self._run, name="hf-specformer-engine", daemon=True)
@@ -234,7 +234,7 @@ def _number(body: dict, name: str, default, low: float, high: float, kind=float)
 def parse_request(body: dict, tokenizer, engine: Engine, model_name: str, chat: bool) -> tuple[NewRow, list[str]]:
     """A completion request's JSON -> (the row it asks for, its stop strings); APIError on bad input."""
     if body.get("model") not in (None, model_name):
-        raise APIError(404, f"The model `{body.get('model')}` does not exist; this server serves `{model_name}`.",
+        raise APIError(400, f"The model `{body.get('model')}` does not exist; this server serves `{model_name}`.",
                        param="model", code="model_not_found")
     if chat:
         messages = body.get("messages")
@@ -300,20 +300,19 @@ class Answer:
 
 def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI application on `engine`."""
-    app = FastAPI(title="hf-specformer", docs_url=None, redoc_url=None)
+    async def guard(http: HTTPRequest):
+        """The key on every endpoint but /health; the declared body size. (A dependency, not an HTTP middleware,
+        which would hide a client's leaving from `is_disconnected`.)"""
+        if api_key and http.url.path != "/health" and http.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key")
+        if int(http.headers.get("content-length") or 0) > max_body_bytes:
+            raise APIError(413, f"The body exceeds {max_body_bytes} bytes.")
+
+    app = FastAPI(title="hf-specformer", docs_url=None, redoc_url=None, dependencies=[Depends(guard)])
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.middleware("http")
-    async def guard(http: HTTPRequest, call_next):
-        if api_key and http.url.path != "/health" and http.headers.get("authorization") != f"Bearer {api_key}":
-            return await api_error(http, APIError(401, "Invalid or missing API key.", "authentication_error",
-                                                  code="invalid_api_key"))
-        if int(http.headers.get("content-length") or 0) > max_body_bytes:
-            return await api_error(http, APIError(413, f"The body exceeds {max_body_bytes} bytes."))
-        return await call_next(http)
 
     @app.get("/health")
     async def health():
@@ -328,6 +327,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_b
     async def metrics():
         m = engine.metrics
         lines = [f"hf_specformer_requests_total {m['requests']}", f"hf_specformer_requests_failed_total {m['failed']}",
+                 f"hf_specformer_requests_left_total {m['left']}",
                  f"hf_specformer_generated_tokens_total {m['tokens']}",
                  f"hf_specformer_accepted_drafts_total {m['accepted']}",
                  f"hf_specformer_requests_in_flight {engine.in_flight}",
@@ -361,6 +361,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_b
             """(text piece, finish reason or None, usage or None) as the engine's events come."""
             while True:
                 event = await request.events.get()
+                if event[0] == "left":
+                    return
                 if event[0] == "error":
                     raise APIError(500, event[1], "server_error")
                 if event[0] == "tokens":
@@ -395,17 +397,33 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_b
 
         if body.get("stream"):
             async def stream():
+                ended = False
                 try:
                     async for piece, reason, usage in events():
                         yield chunk(piece, reason, usage)
                     yield "data: [DONE]\n\n"
+                    ended = True
                 finally:
+                    engine.metrics["left"] += not ended
                     engine.cancel(request)  # a client that left frees its slot (a no-op once the row ended)
             return StreamingResponse(stream(), media_type="text/event-stream")
+
+        async def watch():
+            """A client that leaves before its whole answer frees the slot within a step."""
+            while not await http.is_disconnected():
+                await asyncio.sleep(0.05)
+            engine.metrics["left"] += 1
+            engine.cancel(request)
+            request.events.put_nowait(("left",))
+
+        watcher = asyncio.create_task(watch())
         try:
             pieces = [event async for event in events()]
         finally:
+            watcher.cancel()
             engine.cancel(request)
+        if not pieces or pieces[-1][1] is None:  # (the client left: nobody reads an answer)
+            return Response(status_code=499)
         text, (_, reason, usage) = "".join(p for p, _, _ in pieces), pieces[-1]
         if chat:
             return ChatCompletion(id=ident, object="chat.completion", created=created, model=model_name, usage=usage,

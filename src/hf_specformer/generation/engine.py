@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,11 @@ from .speculation import SpeculationConfig
 from .stats import RowCounts, SpecStats
 from .tokens import Committer, RaggedLogitsProcessor, TokenSelector, pad_token_id
 from .verification import verify_greedy, verify_sampling
+
+LEARNT_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""target -> {(proposer kind, k, companion, slots): StepCosts} the process's calls learnt: a call starts where the
+last of its size on the same target left off, instead of paying again for the steps that learn whether drafting pays
+(one per size: another size's costs would stand in for those not yet timed)."""
 
 VOCABULARY_COPIES = 4
 """Vocabulary-wide tensors a step holds per verified input (logits, scores, probabilities, drafts')."""
@@ -204,7 +210,8 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     if speculation.schedule == "goodput":
         table = acceptance_table or AcceptanceTable.uncalibrated("sv" if companion is not None else "confidence", k)
         estimator = AcceptanceEstimator(table, input_ids.device)
-        schedule = GoodputSchedule(k, speculation.step_costs or StepCosts(), estimator.table.expected_accepted)
+        costs = speculation.step_costs or _learnt_costs(model, proposer, companion, slots)
+        schedule = GoodputSchedule(k, costs, estimator.table.expected_accepted)
     else:
         estimator, schedule = None, FixedSchedule(k, speculation.confidence_threshold)
     num_layers = model.config.get_text_config().num_hidden_layers
@@ -230,6 +237,12 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences
+
+
+def _learnt_costs(model, proposer: Proposer, companion, slots: int) -> StepCosts:
+    """The `StepCosts` this process learnt for `model` with this kind of proposer and `slots` (`LEARNT_COSTS`)."""
+    key = (type(proposer).__name__, proposer.num_draft_tokens, companion is not None, slots)
+    return LEARNT_COSTS.setdefault(model, {}).setdefault(key, StepCosts())
 
 
 def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:

@@ -41,7 +41,7 @@ class SpeculationConfig:
             `confidence_threshold`) [`num_assistant_tokens_schedule`: "heuristic", "constant"].
         confidence_threshold: with "fixed", the least cumulative draft probability verified
             [`assistant_confidence_threshold`].
-        step_costs: the goodput scheduler's `StepCosts` (None: fresh, learnt in the call; keep one across calls).
+        step_costs: the goodput scheduler's `StepCosts` (None: those this process learnt on the target so far).
         suffix_index: suffix drafts from this `SuffixIndex`, which also receives the call's rows (True: this call's).
         max_batch_size: the most rows decoded at once; the others join as rows finish (None: every row).
         memory_budget: bytes the decoding rows' caches, logits and prefill states may take (None: no budget).

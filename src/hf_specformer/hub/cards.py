@@ -13,56 +13,9 @@ def _yaml_results(lines: list[str]) -> str:
     return "".join("\n" + line for line in lines) if lines else " []"
 
 
-def _header(*tags: str) -> str:
-    """A card's YAML header and title, its fields left for `format`."""
-    return ("---\nlibrary_name: transformers\npipeline_tag: text-generation\n{base_model_yaml}tags:\n" +
-            "".join(f"- {tag}\n" for tag in tags) +
-            "license: apache-2.0\nmodel-index:\n- name: {name}\n  results:{results}\n---\n\n# {name}\n")
-
-
-CARD_TEMPLATE = _header("speculative-decoding", "draft-model", "specformer", "custom_generate", "custom_code") + """
-A SpecFormer drafter (Shi et al., AAAI-26, arXiv 2511.20340) for **{base_model}**, trained by self-distillation
-with [hf-specformer](https://github.com/hf-specformer/hf-specformer). It drafts {k} tokens in one forward from the
-target's hidden states (layers {hooks}), and this repository also serves the batched, lossless speculative
-`generate` in `custom_generate/`: greedy output is token-identical to the target's own, sampling keeps the target's
-distribution. It must be paired with its target; binding to another target raises an error.{target_note}
-
-- parameters: {params:.2f}M (the target's final norm and lm_head are shared at run time, not stored here)
-- draft slots l_d = {draft_length}, default k = {k}
-- draft vocabulary: {draft_vocab}
-- next-token input: {next_token}
-
-## Usage
-
-```python
-import torch
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
-target = AutoModelForCausalLM.from_pretrained("{target_path}")
-tokenizer = AutoTokenizer.from_pretrained("{target_path}", padding_side="left")
-draft = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
-inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-out = target.generate(**inputs, assistant_model=draft, custom_generate="<this repo>", trust_remote_code=True,
-                      max_new_tokens=256, do_sample=False, return_dict_in_generate=True)
-print(out.speculation_stats.tokens_per_step)
-```
-
-New `generate` arguments: `assistant_model` (this drafter), `companion_model` (a Speculative Verification companion:
-its (S, A) signals replace the drafter's confidence), `speculation_config` (a dict: `num_draft_tokens` k <= l_d,
-`lookup_ngram_size` for prompt lookup on top of the drafter, 4 by default and 0 for off, `schedule` `"goodput"` (the
-default: the goodput scheduler picks each step how many drafts to verify, 0 included, from this drafter's calibrated
-confidence table and step costs learnt from the call's own steps) or `"fixed"`, `suffix_index=True` for suffix drafts
-across the batch's rows, `max_batch_size` for continuous batching), `sampling_seeds` (a sampled row's text depends
-only on its seed) and `row_finished` (a callback as each row ends). transformers' `num_assistant_tokens`,
-`prompt_lookup_num_tokens`, `max_matching_ngram_size`, `assistant_confidence_threshold` and
-`num_assistant_tokens_schedule` work too. Outputs are those of `generate`, plus `speculation_stats` (steps, tokens per
-step, acceptance per drafted position, widths chosen) when `return_dict_in_generate=True`. Not supported (clear
-errors): beam search, static/offloaded caches, output scores. On a CPU, `with hf_specformer.cpu_products(target,
-draft):` around the call (or plain `generate`) adds faster few-row products.
-
-{evaluation}
-{benchmark}
-"""
+def _template(name: str) -> str:
+    """A card's markdown (`drafter_card.md`, `companion_card.md` beside this file), its fields left for `format`."""
+    return (Path(__file__).parent / name).read_text()
 
 
 def _metric(name: str, value: float, dataset: str) -> str:
@@ -129,7 +82,7 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
         "so the first draft slot knows the correction/bonus token the target has just committed)"
         if config.next_token_input else "no (as in the paper)"
     )
-    return CARD_TEMPLATE.format(
+    return _template("drafter_card.md").format(
         next_token=next_token, **_target_fields(config.target_name_or_path), name=name, results=results,
         k=config.num_speculative_tokens,
         hooks=config.hook_layers, draft_length=config.draft_length,
@@ -137,32 +90,6 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
     )
 
 
-COMPANION_CARD_TEMPLATE = _header("speculative-decoding", "speculative-verification", "custom_code") + """
-A Speculative Verification companion (Kim et al., arXiv 2509.24328) for **{base_model}**, trained by
-self-distillation with [hf-specformer](https://github.com/hf-specformer/hf-specformer). At each drafted position it
-gives its own distribution P_c; from P_c and the drafter's P_d the goodput scheduler reads S = sum_v min(P_d, P_c)
-and A = min(1, P_c(d) / P_d(d)) and maps them, through the calibrated table stored in `config.json`
-(`acceptance_table`), to acceptance probabilities. The scheduler then verifies, each step, the number of drafts per
-row that maximises expected committed tokens per second, plain decoding included. It reads the target's last hidden
-state at each row's last accepted input and the drafted chain; final norm, head and embeddings are the
-target's.{target_note}
-
-- parameters: {params:.2f}M; width {width}, one causal block over the chain; P_c over {vocab}
-- pairs with the drafter `{drafter}`; outputs stay exactly the target's (it only decides what to verify)
-
-## Usage
-
-```python
-companion = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
-out = target.generate(**inputs, assistant_model=draft, companion_model=companion, custom_generate="<drafter repo>",
-                      trust_remote_code=True, max_new_tokens=256, return_dict_in_generate=True)
-print(out.speculation_stats.width_counts, out.speculation_stats.predicted_acceptance_rate)
-```
-
-{training}
-{calibration}
-{benchmark}
-"""
 
 
 def _companion_training_section(report: dict | None) -> str:
@@ -208,7 +135,7 @@ def render_companion_card(companion, eval_path: str | None = None, calibration_p
     benchmark, bench_metrics = _benchmark_section(read(bench_path), None)
     vocab = f"the drafter's {config.companion_vocab_size}-token draft vocabulary" if config.companion_vocab_size \
         else f"the whole vocabulary ({config.vocab_size})"
-    return COMPANION_CARD_TEMPLATE.format(
+    return _template("companion_card.md").format(
         **_target_fields(config.target_name_or_path), name=name, drafter=drafter,
         results=_yaml_results(calibration_metrics + bench_metrics), params=companion.num_parameters() / 1e6,
         width=config.companion_size, vocab=vocab, training=_companion_training_section(read(eval_path)),
