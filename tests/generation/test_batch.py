@@ -89,3 +89,13 @@ def test_an_admission_holds_its_rows_longest_prompt_and_joins_by_column():
     batch.join(new)
     assert batch.attention_mask.tolist() == [[1] * 6, [0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
     assert batch.lengths.tolist() == [6, 2, 4] and batch.host_rows == [2, 0, 1]
+
+
+def test_prefill_groups_keep_each_prefills_padding_under_half():
+    """Prompts of 2, 40, 30, 3 and 19 tokens: 40 and 30 share a prefill, 19 has its own, 3 and 2 share one (each
+    group in the order given)."""
+    lengths = [2, 40, 30, 3, 19]
+    input_ids = torch.tensor([[PAD] * (40 - n) + [5] * n for n in lengths])
+    batch = RaggedBatch.start(input_ids, (input_ids != PAD).long(), 8, 8, slots=5, capacity=60, pad_token_id=PAD)
+    assert batch.prefill_groups([0, 1, 2, 3, 4]) == [[1, 2], [4], [0, 3]]
+    assert batch.admission([0, 3]).columns == 3

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CPU_ONLY, TINY_VOCAB, make_companion, make_drafter, make_target
-from helpers import PAD, SoftOracle, assert_same_as_generate, make_batch, noisy_oracle, optimistic_table
+from helpers import (
+    PAD,
+    TEST_STEP_COSTS,
+    SoftOracle,
+    assert_same_as_generate,
+    make_batch,
+    noisy_oracle,
+    optimistic_table,
+)
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -357,11 +365,33 @@ def test_rows_admitted_after_the_batch_emptied_start_from_fresh_columns():
     generator = torch.Generator().manual_seed(6)
     same, *others = [torch.randint(3, 90, (length,), generator=generator) for length in (7, 3, 9)]
     prompts = [same, same, *others]  # the first two finish together; the next two, of other lengths, join together
+    # (prefilled apart: 9 tokens are over twice 3)
     input_ids = torch.stack([torch.cat([torch.full((9 - len(p),), PAD), p]) for p in prompts])
     mask = (torch.arange(9)[None, :] >= torch.tensor([9 - len(p) for p in prompts])[:, None]).long()
     costly_drafts = StepCosts(plain=1.0, per_input=100.0, draft=100.0, learn=False)
     assert_same_as_generate(target, make_drafter(target), input_ids, mask, max_new_tokens=14, pad_token_id=PAD,
                             max_batch_size=2, step_costs=costly_drafts)
+
+
+def test_prompts_of_far_apart_lengths_are_prefilled_apart_and_equal_generate():
+    """Prompts of 2, 40, 3 and 36 tokens: two prefill forwards (widths 40 and 3, not one of 40 for every row), and
+    every row as plain `generate` gives it."""
+    target = make_target()
+    generator = torch.Generator().manual_seed(8)
+    lengths = [2, 40, 3, 36]
+    input_ids = torch.stack([torch.cat([torch.full((40 - n,), PAD), torch.randint(3, 90, (n,), generator=generator)])
+                             for n in lengths])
+    widths = []
+    handle = target.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape), with_kwargs=True)
+    reference = target.generate(input_ids=input_ids, attention_mask=(input_ids != PAD).long(), do_sample=False,
+                                max_new_tokens=12, pad_token_id=PAD)
+    widths.clear()
+    output = generate(target, input_ids=input_ids, attention_mask=(input_ids != PAD).long(), do_sample=False,
+                      max_new_tokens=12, pad_token_id=PAD, assistant_model=make_drafter(target),
+                      speculation_config={"step_costs": TEST_STEP_COSTS})
+    handle.remove()
+    assert torch.equal(output, reference)
+    assert [shape for shape in widths if shape[1] > 4] == [(2, 40)] and (2, 3) in widths, widths
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
