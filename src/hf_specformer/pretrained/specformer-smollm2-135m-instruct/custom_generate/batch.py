@@ -46,6 +46,7 @@ class RaggedBatch:
         pad_token_id: what `sequences` puts after each row's end.
         prompt_mask: `[B0, P]` 1 on the prompts' real tokens.
         max_new: `[B0]` new tokens each row may generate.
+        prompt_lengths: `[B0]` real prompt tokens per row, on the host (an admission's width and groups).
         host_rows, host_finished: `row_ids` and `finished` on the host, as of the last host read.
         num_live, max_length: rows not finished and the largest of `lengths`, as of the last host read.
         max_prefix, min_prefix: bounds of the longest and shortest committed prefix of the live rows, on the host.
@@ -63,6 +64,7 @@ class RaggedBatch:
     pad_token_id: int
     prompt_mask: torch.LongTensor
     max_new: torch.LongTensor
+    prompt_lengths: list[int] = field(default_factory=list)
     host_rows: list[int] = field(default_factory=list)
     host_finished: list[bool] = field(default_factory=list)
     num_live: int = 0
@@ -84,6 +86,7 @@ class RaggedBatch:
         return cls(tokens, input_ids.shape[1], torch.zeros_like(input_ids[:, 0]), empty,
                    torch.zeros(slots, capacity, dtype=torch.long, device=device), 0, empty, empty.bool(),
                    pad_token_id, prompt_mask, torch.full_like(input_ids[:, 0], max_new_tokens),
+                   prompt_mask.sum(1).tolist(),
                    positions=torch.arange(max(capacity, tokens.shape[1]), device=device))
 
     @property
@@ -100,18 +103,31 @@ class RaggedBatch:
         """The waiting `rows` alone, for their prefill: shares `tokens` and `num_generated`; its mask is their
         prompts' last W columns (W: their longest prompt), which `commit_prompt` validates."""
         row_ids = torch.tensor(rows, device=self.tokens.device)
-        width = max(1, int(self.prompt_mask[row_ids].sum(1).max()))
+        width = max(1, max(self.prompt_lengths[row] for row in rows))
         zeros = torch.zeros_like(row_ids)
         return RaggedBatch(self.tokens, self.prompt_width, self.num_generated, row_ids,
                            self.prompt_mask[row_ids, self.prompt_width - width:].clone(), width, zeros, zeros.bool(),
-                           self.pad_token_id, self.prompt_mask, self.max_new, list(rows), [False] * len(rows),
-                           len(rows), 0, self.prompt_width, self.prompt_width, self.positions)
+                           self.pad_token_id, self.prompt_mask, self.max_new, self.prompt_lengths, list(rows),
+                           [False] * len(rows), len(rows), 0, self.prompt_width, self.prompt_width, self.positions)
+
+    def prefill_groups(self, rows: list[int]) -> list[list[int]]:
+        """`rows` to admit in groups of one prefill forward each, longest prompts first: a row joins a group whose
+        longest prompt is at most twice its own, so padding stays under half of any prefill (one forward over
+        prompts of 50 and 1,250 tokens would compute 1,250 for each)."""
+        groups: list[list[int]] = []
+        for row in sorted(rows, key=lambda r: -self.prompt_lengths[r]):
+            if groups and 2 * self.prompt_lengths[row] >= self.prompt_lengths[groups[-1][0]]:
+                groups[-1].append(row)
+            else:
+                groups.append([row])
+        return [sorted(group, key=rows.index) for group in groups]
 
     def add_prompts(self, rows: list[int], prompts: list[list[int]], max_new: list[int]) -> None:
         """Writes `prompts` (at most P tokens each), left padded, into the call's `rows` (rows that ended, or new ones
         beyond B0), each with its own limit of new tokens."""
         grow = max(rows) + 1 - len(self.tokens)
         if grow > 0:
+            self.prompt_lengths += [0] * grow
             self.tokens = torch.cat([self.tokens, torch.full_like(self.tokens[:1], self.pad_token_id).expand(grow, -1)])
             self.prompt_mask, self.num_generated, self.max_new = (
                 torch.cat([t, t.new_zeros(grow, *t.shape[1:])]) for t in (self.prompt_mask, self.num_generated,
@@ -120,7 +136,7 @@ class RaggedBatch:
             start = self.prompt_width - len(ids)
             self.tokens[row], self.prompt_mask[row], self.num_generated[row] = self.pad_token_id, 0, 0
             self.tokens[row, start: self.prompt_width] = torch.tensor(ids, device=self.tokens.device)
-            self.prompt_mask[row, start:], self.max_new[row] = 1, limit
+            self.prompt_mask[row, start:], self.max_new[row], self.prompt_lengths[row] = 1, limit, len(ids)
 
     def prompt_ids(self) -> torch.LongTensor:
         """`[B, W]` an admission's prompts in their last W columns."""

@@ -255,7 +255,8 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
             return
         rows = admissions.due(batch.num_live)
         while rows:  # the prefill of the rows admitted (all of them at the start, unless slots are fewer)
-            plan = _admit(call, batch, caches, rows, plan)
+            for group in batch.prefill_groups(rows):
+                plan = _admit(call, batch, caches, group, plan)
             rows = [] if batch.size else admissions.due(0)  # every row admitted ended at its first token
         if not batch.size:
             if call.feed is None:
