@@ -255,8 +255,9 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
             return
         rows = admissions.due(batch.num_live)
         while rows:  # the prefill of the rows admitted (all of them at the start, unless slots are fewer)
+            wants = schedule.wants(batch.num_live + len(rows))  # one answer for the step after the admission
             for group in batch.prefill_groups(rows):
-                plan = _admit(call, batch, caches, group, plan)
+                plan = _admit(call, batch, caches, group, plan, wants)
             rows = [] if batch.size else admissions.due(0)  # every row admitted ended at its first token
         if not batch.size:
             if call.feed is None:
@@ -455,9 +456,11 @@ def _select(call: _Call, batch: RaggedBatch, caches: list, plan: StepPlan | None
     return None if plan is None else plan.select(keep)
 
 
-def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan: StepPlan | None) -> StepPlan:
+def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan: StepPlan | None,
+           wants: tuple[bool, bool]) -> StepPlan:
     """Brings `rows` into the batch: finished rows leave; the new rows' prefill runs on caches of their own, commits
-    their first tokens and plans their first drafts; then their caches, rows and plan join the running ones."""
+    their first tokens and plans their first drafts (`wants`: the schedule's (draft, free) for the next step); then
+    their caches, rows and plan join the running ones."""
     if batch.num_live < batch.size:
         plan = _select(call, batch, caches, plan, batch.live_rows())
     if batch.size:
@@ -470,9 +473,7 @@ def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan:
     first = call.selector(call.processor(new, logits), new)[:, 0]
     new.finished = call.commit(new, first[:, None], torch.ones_like(first))
     last = torch.full_like(first, new.columns - 1)
-    draft, free = call.schedule.wants(batch.size + new.size)
-    proposal = call.proposer.propose(new, TargetStep(tuple(call.states), position_ids, last), new_caches[1:], draft,
-                                     free)
+    proposal = call.proposer.propose(new, TargetStep(tuple(call.states), position_ids, last), new_caches[1:], *wants)
     call.proposer.flush(new, new_caches[1:])
     new_plan = _plan(call, new, proposal, last)
     result = _read(call, new, new_plan)
