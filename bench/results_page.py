@@ -11,7 +11,7 @@ BENCH = Path(__file__).parent
 REPORTS = {
     "smollm2_cpu_before_after": ("SmolLM2, MT-bench first turns: ours before and after the lean engine",
                                  "python bench/before_after.py --before WORKTREE_OF_c91b218 --prompts mtbench "
-                                 "--min-rows 4 --batch-sizes 1 8 32 4 16 64 --output "
+                                 "--min-rows 8 --batch-sizes 1 8 32 4 16 64 --output "
                                  "bench/smollm2_cpu_before_after"),
     "smollm2_cpu": ("SmolLM2, MT-bench first turns (`make bench`)",
                     "hf-specformer bench --prompts mtbench --min-rows 8 --output bench/smollm2_cpu"),
@@ -34,6 +34,9 @@ OTHER_REPORTS = {
     "smollm2_cpu_serve_poisson": "the three servers under open-loop Poisson arrivals, 1 request per second "
                                  "(`python bench/serve_load.py --poisson-rate 1.0 --output "
                                  "bench/smollm2_cpu_serve_poisson`)",
+    "smollm2_cpu_serve_lossless": "256 greedy streamed requests from 32 clients against plain `generate`, without "
+                                  "and with dropped clients (`python bench/serve_load.py --lossless --output "
+                                  "bench/smollm2_cpu_serve_lossless`)",
     "smollm2_cpu_serve_soak": "ten minutes of `hf-specformer serve` at saturation with dropped and bad requests "
                               "(`python bench/serve_load.py --soak-seconds 600 --output bench/smollm2_cpu_serve_soak`)",
 }
