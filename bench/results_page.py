@@ -13,6 +13,9 @@ REPORTS = {
                                  "python bench/before_after.py --before WORKTREE_OF_c91b218 --prompts mtbench "
                                  "--min-rows 8 --batch-sizes 1 8 32 4 16 64 --output "
                                  "bench/smollm2_cpu_before_after"),
+    "smollm2_cpu_before_after_b8": ("SmolLM2, MT-bench first turns: before and after at B = 8 with 64 rows",
+                                    "python bench/before_after.py --before WORKTREE_OF_c91b218 --prompts mtbench "
+                                    "--min-rows 32 --batch-sizes 8 --output bench/smollm2_cpu_before_after_b8"),
     "smollm2_cpu": ("SmolLM2, MT-bench first turns (`make bench`)",
                     "hf-specformer bench --prompts mtbench --min-rows 8 --output bench/smollm2_cpu"),
     "smollm2_cpu_passages": ("SmolLM2, summaries of and questions over 600-1,300-token passages",
