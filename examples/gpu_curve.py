@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from hf_specformer import generate
 from hf_specformer.generation.acceptance import LOOKUP
 from hf_specformer.generation.proposers import OracleProposer, Proposal, SpecFormerProposer, WrappingProposer
+from hf_specformer.generation.scheduler import StepClock
 from hf_specformer.models import SpecFormerConfig, SpecFormerForDrafting
 from hf_specformer.targets import describe_machine, synchronize
 
@@ -104,26 +105,18 @@ def peaked_target(shape: dict, device, dtype, seed: int = 0):
 
 
 class ForwardClock:
-    """Device seconds inside the target's forwards (CUDA events around each; wall clock on a CPU)."""
+    """Device seconds inside the target's forwards: the engine's `StepClock` (CUDA events on a GPU) around each."""
 
     def __init__(self, target):
-        self.cuda, self.pairs, self.seconds = target.device.type == "cuda", [], 0.0
-        self.handles = [target.register_forward_pre_hook(lambda *a: self.pairs.append([self._mark()])),
-                        target.register_forward_hook(lambda *a: self.pairs[-1].append(self._mark()))]
-
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        self.device, self.clock = target.device, StepClock(target.device)
+        self.handles = [target.register_forward_pre_hook(lambda *a: self.clock.restart()),
+                        target.register_forward_hook(lambda *a: self.clock.end(None))]
 
     def total(self) -> tuple[float, int]:
         """(seconds, forwards) since the last call."""
-        synchronize("cuda" if self.cuda else "cpu")
-        seconds = sum(a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in self.pairs)
-        count, self.pairs = len(self.pairs), []
-        return seconds, count
+        synchronize(self.device)
+        forwards = self.clock.read()
+        return sum(seconds[0] for _, seconds in forwards), len(forwards)
 
     def close(self):
         for handle in self.handles:
