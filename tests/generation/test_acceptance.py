@@ -1,4 +1,4 @@
-"""Acceptance estimates: binned tables (prior, online counts, fitting, saving), SV's signals, the estimator."""
+"""Acceptance estimates: binned tables (prior, online counts, saving), SV's signals, the estimator."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from hf_specformer.generation.acceptance import (
     DRAFTER,
     LOOKUP,
     NO_DRAFT,
-    PRIOR_TRIALS,
     SIGNALS,
     AcceptanceEstimator,
     AcceptanceTable,
@@ -31,22 +30,6 @@ def test_uncalibrated_table_estimates_the_signal_itself_and_learns_online():
     assert float(table.estimate(features[2:], sources[2:], slots[2:])) < 0.1
     assert table.estimate(features[2:], sources[2:], slots[2:] + 1).item() == pytest.approx(0.95)  # other slot
     assert table.estimate(features[2:], torch.tensor([LOOKUP]), slots[2:]).item() == pytest.approx(0.95)
-
-
-def test_fitted_table_matches_rates_per_bin_and_round_trips_as_a_capped_prior():
-    generator = torch.Generator().manual_seed(0)
-    confidence = torch.rand(20_000, 1, generator=generator)
-    accepted = torch.rand(20_000, generator=generator) < confidence[:, 0] ** 2  # calibrated rate: q^2
-    sources, slots = torch.full((20_000,), DRAFTER), torch.zeros(20_000, dtype=torch.long)
-    table = AcceptanceTable.fit("confidence", confidence, sources, slots, accepted, num_bins=10)
-    probe = torch.tensor([[0.15], [0.55], [0.95]])  # bin centres (equal-mass bins of a uniform signal: width 0.1)
-    estimates = table.estimate(probe, sources[:3], slots[:3])
-    assert estimates.tolist() == pytest.approx([q**2 + 0.1**2 / 12 for q in (0.15, 0.55, 0.95)], abs=0.03)
-    assert table.expected_accepted == pytest.approx([0.0, float(accepted.double().mean())])
-    loaded = AcceptanceTable.from_dict(table.to_dict())
-    assert torch.allclose(loaded.estimate(probe, sources[:3], slots[:3]), estimates, atol=1e-6)
-    assert float(loaded.prior_trials.max()) == PRIOR_TRIALS  # online counts can move it
-    assert loaded.expected_accepted == table.expected_accepted
 
 
 def test_sv_features_are_overlap_and_capped_ratio():

@@ -18,10 +18,12 @@ from training_helpers import (  # single_thread: the autouse fixture of the trai
 )
 from transformers import AutoModel
 
+from hf_specformer.generation.acceptance import DRAFTER, PRIOR_TRIALS, AcceptanceTable
 from hf_specformer.training.calibrate import (
     auc,
     compare_estimators,
     draft_records,
+    fit_table,
     fit_tables,
     scores,
     write_table,
@@ -85,6 +87,22 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path):
 
 
 # ----- calibration ----------------------------------------------------------------------------------------------
+def test_fitted_table_matches_rates_per_bin_and_round_trips_as_a_capped_prior():
+    generator = torch.Generator().manual_seed(0)
+    confidence = torch.rand(20_000, 1, generator=generator)
+    accepted = torch.rand(20_000, generator=generator) < confidence[:, 0] ** 2  # calibrated rate: q^2
+    sources, slots = torch.full((20_000,), DRAFTER), torch.zeros(20_000, dtype=torch.long)
+    table = fit_table("confidence", confidence, sources, slots, accepted, num_bins=10)
+    probe = torch.tensor([[0.15], [0.55], [0.95]])  # bin centres (equal-mass bins of a uniform signal: width 0.1)
+    estimates = table.estimate(probe, sources[:3], slots[:3])
+    assert estimates.tolist() == pytest.approx([q**2 + 0.1**2 / 12 for q in (0.15, 0.55, 0.95)], abs=0.03)
+    assert table.expected_accepted == pytest.approx([0.0, float(accepted.double().mean())])
+    loaded = AcceptanceTable.from_dict(table.to_dict())
+    assert torch.allclose(loaded.estimate(probe, sources[:3], slots[:3]), estimates, atol=1e-6)
+    assert float(loaded.prior_trials.max()) == PRIOR_TRIALS  # online counts can move it
+    assert loaded.expected_accepted == table.expected_accepted
+
+
 def test_auc_of_known_rankings():
     labels = torch.tensor([0, 0, 1, 1])
     assert auc(torch.tensor([0.1, 0.2, 0.3, 0.4]), labels) == 1.0

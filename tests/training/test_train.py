@@ -3,7 +3,6 @@ and a two-process `accelerate launch` run. Tiny random targets (float64 in proce
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -57,7 +56,7 @@ from hf_specformer.training.target_states import (
     hooked_target_states,
     target_hidden_states,
 )
-from hf_specformer.training.train_drafter import build_drafter, train, widen_swiglu
+from hf_specformer.training.train_drafter import build_drafter, train
 
 
 # ----- data and labels -----------------------------------------------------------------------------------------
@@ -340,45 +339,14 @@ def test_init_from_a_plain_drafter_adds_the_next_token_input_at_its_own_learning
     assert {lr for name, lr in rates.items() if name not in new_parameters} == {3e-3}
 
 
-def test_widen_swiglu_splits_units_and_keeps_the_function():
-    """Widening 96 -> 240 units (3 copies of the first 48, 2 of the rest: not a multiple) computes the same function
-    without noise; with it, only the copies' gate rows move, by about the noise, and the output by little."""
-    target = make_target()
-    mlp = make_drafter(target).slot_block.mlp
-    x = torch.randn(5, 3, target.config.hidden_size, dtype=torch.float64)
-    reference, gate = mlp(x), mlp.gate_proj.weight.clone()
-    exact = copy.deepcopy(mlp)
-    widen_swiglu(exact, 240, torch.Generator().manual_seed(0), noise_scale=0.0)
-    assert (exact.gate_proj.out_features, exact.up_proj.weight.shape[0], exact.down_proj.in_features) == (240, 240, 240)
-    torch.testing.assert_close(exact(x), reference)
-    widen_swiglu(mlp, 240, torch.Generator().manual_seed(0))
-    torch.testing.assert_close(mlp.gate_proj.weight[:96], gate)
-    source = torch.arange(96, 240) % 96
-    moved = (mlp.gate_proj.weight[96:] - gate[source]).std(dim=1) / gate[source].std(dim=1)
-    assert moved.min() > 0.005 and moved.max() < 0.02
-    torch.testing.assert_close(mlp(x), reference, rtol=0.05, atol=1e-3)
-    with pytest.raises(ValueError, match="narrower"):
-        widen_swiglu(mlp, 200, torch.Generator())
-
-
-def test_init_from_widens_the_slot_swiglu_and_the_export_loads(tmp_path):
-    """`intermediate_size` with `init_from`: the loaded drafter's SwiGLU is widened (every other weight as loaded),
-    it trains, and the exported drafter's config records the width, so it loads; a fresh drafter takes the width
-    as given; LoRA cannot widen."""
+def test_intermediate_size_sets_a_fresh_drafters_width_only(tmp_path):
+    """A fresh drafter takes `intermediate_size` as given; an `init_from` drafter keeps its own (no widening)."""
     target = learnable_target()
-    base = make_drafter(target)
-    base.save_pretrained(tmp_path / "base")
-    config = make_config(tmp_path / "run", init_from=str(tmp_path / "base"), intermediate_size=240, max_steps=3)
-    drafter, new_parameters = build_drafter(target, config)
-    assert new_parameters == frozenset() and drafter.slot_block.mlp.up_proj.weight.shape[0] == 240
-    torch.testing.assert_close(drafter.slot_block.positional_proj.weight, base.slot_block.positional_proj.weight)
-    train(config, target=target, dataset=repetitive_dataset())
-    exported = SpecFormerForDrafting.from_pretrained(tmp_path / "run" / "drafter")
-    assert exported.config.intermediate_size == 240 and exported.slot_block.mlp.down_proj.in_features == 240
     fresh, _ = build_drafter(target, make_config(tmp_path / "fresh", intermediate_size=48))
     assert fresh.config.intermediate_size == 48 and fresh.slot_block.mlp.gate_proj.out_features == 48
-    with pytest.raises(ValueError, match="widen"):
-        make_config(tmp_path / "lora", init_from=str(tmp_path / "base"), lora=True, intermediate_size=240)
+    make_drafter(target).save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match="keeps its own"):
+        make_config(tmp_path / "run", init_from=str(tmp_path / "base"), intermediate_size=240)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's, on loading

@@ -49,7 +49,7 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 class StepPlan:
     """The next step's drafts per active row, made right after the last forward (`[B, 0]`: nothing proposed)."""
 
-    draft_ids: torch.LongTensor  # [B, k] drafts, also written as scratch after each row's prefix
+    draft_ids: torch.LongTensor  # [B, k] drafts (scratch after each row's prefix where a processor reads it)
     sources: torch.LongTensor  # [B, k] DRAFTER, LOOKUP or NO_DRAFT
     draft_probs: torch.Tensor | None  # [B, k, V] processed distributions of the network's drafts (for sampling)
     features: torch.Tensor | None  # [B, k, F] the estimator's signals of the drafts
@@ -164,10 +164,10 @@ def target_forward(model, input_ids, attention_mask, position_ids, cache, logits
 
 
 def _mask_shape(model) -> str:
-    """The step mask a target's attention takes whole: a boolean 4D mask for `sdpa`-like attention, an additive one
-    for `eager`, else the 2D validity mask (flash and flex attention build their own)."""
+    """The step mask a target's attention takes whole: a 4D additive one for `sdpa`-like and `eager` attention, else
+    the 2D validity mask (flash and flex attention build their own)."""
     function = ALL_MASK_ATTENTION_FUNCTIONS.get(model.config._attn_implementation)
-    return "bool" if function is sdpa_mask else "float" if function is eager_mask else "2d"
+    return "float" if function in (sdpa_mask, eager_mask) else "2d"
 
 
 def slot_bytes(model, proposer: Proposer, prompt_width: int, max_new_tokens: int) -> int:
@@ -248,7 +248,7 @@ def _learnt_costs(model, proposer: Proposer, companion, slots: int) -> StepCosts
 def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
     """Admissions and steps until every row has finished."""
     model, proposer, schedule, dtype = call.model, call.proposer, call.schedule, call.model.dtype
-    caches = _new_caches(call, call.capacity)
+    caches = _new_caches(call, call.capacity, call.slots)
     clock, plan = StepClock(batch.tokens.device), None
     while True:
         if call.feed is not None and not _take_rows(call, batch, admissions):
@@ -269,24 +269,27 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         # 1. Choose how many drafts each row verifies (on the host, from the plan's scores)
         counts = _choose(call, batch, plan)
         width, was_live = max(counts), [not done for done in batch.host_finished]
-        num_drafts = torch.tensor(counts, device=batch.tokens.device)
+        num_drafts = None if min(counts) == width else torch.tensor(counts, device=batch.tokens.device)  # None: all w
 
         # 2. Forward each row's last committed token and the drafts it verifies through the target
         inputs = batch.positions[: width + 1]
         step_ids = torch.cat([batch.tokens[batch.row_ids, batch.prefix_lengths() - 1, None],
                               plan.draft_ids[:, :width]], dim=1)  # [B, w + 1]
         position_ids = batch.lengths[:, None] + inputs
-        mask = batch.step_mask(inputs <= num_drafts[:, None], call.mask_shape if width else "2d", dtype)
+        verified = width + 1 if num_drafts is None else inputs <= num_drafts[:, None]
+        mask = batch.step_mask(verified, call.mask_shape if width else "2d", dtype)
         logits = target_forward(model, step_ids, mask, position_ids, caches[0])
 
         # 3. Verify: the accepted drafts and the target's correction or bonus token
         tokens, num_accepted = _verify(call, batch, plan, logits, num_drafts, width)
         if call.estimator is not None and plan.features is not None:
-            call.estimator.observe(plan.features, plan.sources, num_accepted, num_drafts)
+            drafts_verified = width if num_drafts is None else num_drafts
+            call.estimator.observe(plan.features, plan.sources, num_accepted, drafts_verified)
 
         # 4. Commit: keep the accepted inputs' cache columns, append the tokens, end rows
-        batch.commit_cache((num_accepted + 1) * ~batch.finished, width + 1)
-        batch.finished = call.commit(batch, tokens, num_accepted + 1)
+        committed = num_accepted + 1
+        batch.commit_cache(committed * ~batch.finished, width + 1)
+        batch.finished = call.commit(batch, tokens, committed)
         clock.lap()
 
         # 5. Propose and plan the next step's drafts, from this forward's hidden states
@@ -339,7 +342,8 @@ def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted) ->
         ids, probs = _draft_tokens(call, batch, proposal, sources)
     else:
         ids = proposal.ids
-        batch.write(ids)
+        if call.processor.reads_prefix:  # (the verify step's processors read the drafts after the prefix)
+            batch.write(ids)
     features = scores = None
     if call.estimator is not None:
         companion_probs = _companion_probs(call, batch, last_accepted, ids) if call.companion is not None else None
@@ -352,9 +356,9 @@ def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted) ->
 
 
 def _draft_tokens(call: _Call, batch: RaggedBatch, proposal: Proposal, sources):
-    """The network's draft logits -> draft ids `[B, k]` (written as scratch) and their processed probabilities
+    """The network's draft logits -> draft ids `[B, k]` and their processed probabilities
     `[B, k, V]` (None when neither sampling nor the schedule reads them). Slot j is processed with the prefix and
-    drafts 1..j-1, one slot at a time when a processor reads the prefix."""
+    drafts 1..j-1, one slot at a time (the drafts written as scratch) when a processor reads the prefix."""
     fixed = sources == LOOKUP if proposal.ids is not None else None
 
     def select(scores, start: int) -> torch.LongTensor:
@@ -365,7 +369,6 @@ def _draft_tokens(call: _Call, batch: RaggedBatch, proposal: Proposal, sources):
     if not call.processor.reads_prefix:
         scores = call.processor(batch, proposal.logits)
         ids = select(scores, 0)
-        batch.write(ids)
     else:
         ids, all_scores = [], []
         for j in range(proposal.logits.shape[1]):
@@ -394,7 +397,7 @@ def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, wi
     parts = [batch.finished, batch.lengths.max()[None]] + ([] if num_accepted is None else [num_accepted])
     parts += [] if call.feed is None else [_last_tokens(batch, window).flatten()]
     parts += [part.flatten() for part in (plan.scores, plan.free) if part is not None]
-    values = call.read(torch.cat(parts).double())  # cat promotes to the widest dtype
+    values = call.read(torch.cat(parts))  # cat promotes to the widest dtype
     finished = [value > 0 for value in values[:size]]
     accepted = [int(value) for value in values[size + 1: 2 * size + 1]] if num_accepted is not None else []
     if call.feed is not None:
@@ -402,14 +405,14 @@ def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, wi
         _tell(call, batch, [[int(v) for v in values[i: i + window + 1]]
                             for i in range(start, start + size * (window + 1), window + 1)], window)
     host, end = [], len(values)
-    for part in (plan.free, plan.scores):  # from the end
+    for part, dtype in ((plan.free, torch.bool), (plan.scores, torch.float64)):  # from the end
         start = end - (0 if part is None else part.numel())
-        host.append(None if part is None else torch.tensor(values[start:end], dtype=torch.float64).view(part.shape))
+        host.append(None if part is None else torch.tensor(values[start:end], dtype=dtype).view(part.shape))
         end = start
     free, scores = host
     if scores is not None:
         scores.mul_(torch.tensor([[not done] for done in finished], dtype=torch.float64))
-    return StepResult(accepted, finished, int(values[size]), scores, None if free is None else free.bool())
+    return StepResult(accepted, finished, int(values[size]), scores, free)
 
 
 def _record(call: _Call, batch: RaggedBatch, plan: StepPlan, counts, width, was_live, result: StepResult) -> None:
@@ -458,15 +461,16 @@ def _select(call: _Call, batch: RaggedBatch, caches: list, plan: StepPlan | None
 
 def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan: StepPlan | None,
            wants: tuple[bool, bool]) -> StepPlan:
-    """Brings `rows` into the batch: finished rows leave; the new rows' prefill runs on caches of their own, commits
-    their first tokens and plans their first drafts (`wants`: the schedule's (draft, free) for the next step); then
-    their caches, rows and plan join the running ones."""
+    """Brings `rows` into the batch: finished rows leave; the new rows' prefill runs on caches of their own (into an
+    empty batch: on the running ones), commits their first tokens and plans their first drafts (`wants`: the
+    schedule's (draft, free) for the next step); then their caches, rows and plan join the running ones."""
     if batch.num_live < batch.size:
         plan = _select(call, batch, caches, plan, batch.live_rows())
     if batch.size:
         call.proposer.flush(batch, caches[1:])
     new = batch.admission(rows)
-    new_caches = _new_caches(call, new.columns)
+    direct = not batch.size
+    new_caches = caches if direct else _new_caches(call, new.columns)
     position_ids = new.prompt_position_ids()
     logits = target_forward(call.model, new.prompt_ids(), new.attention_mask, position_ids, new_caches[0], 1)
     new.commit_prompt()
@@ -477,8 +481,9 @@ def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan:
     call.proposer.flush(new, new_caches[1:])
     new_plan = _plan(call, new, proposal, last)
     result = _read(call, new, new_plan)
-    for cache, part in zip(caches, new_caches, strict=True):
-        cache.append_rows(part, call.slots)
+    if not direct:
+        for cache, part in zip(caches, new_caches, strict=True):
+            cache.append_rows(part, call.slots)
     new_plan.scores, new_plan.free = result.scores, result.free
     plan = new_plan if plan is None else plan.join(new_plan)
     batch.join(new)
@@ -544,12 +549,13 @@ def _tell(call: _Call, batch: RaggedBatch, values: list[list[int]], window: int)
         call.feed.committed(rows, tokens)
 
 
-def _new_caches(call: _Call, capacity: int) -> list:
-    """The target's cache (with the layer kinds of `generate`'s) and the proposer's, of `capacity` columns."""
+def _new_caches(call: _Call, capacity: int, slots: int | None = None) -> list:
+    """The target's cache (with the layer kinds of `generate`'s) and the proposer's, of `capacity` columns and `slots`
+    rows (None: those of the first prefill)."""
     num_layers = call.model.config.get_text_config().num_hidden_layers
-    caches = [PreallocatedCache.like(call.given_cache, num_layers, capacity)]
+    caches = [PreallocatedCache.like(call.given_cache, num_layers, capacity, slots)]
     if call.proposer.num_cache_layers:
-        caches.append(PreallocatedCache(call.proposer.num_cache_layers, capacity))
+        caches.append(PreallocatedCache(call.proposer.num_cache_layers, capacity, slots=slots))
     return caches
 
 

@@ -70,10 +70,12 @@ def verify_greedy(
     if kernels is not None:
         return kernels.greedy_verification(draft_ids, target_scores, _num_drafts(draft_ids, num_drafts), EMPTY_SLOT)
     predictions = target_scores.argmax(dim=-1)  # [B, k + 1]
-    matches = (draft_ids == predictions[:, :-1]) & _verified(draft_ids, num_drafts)
+    positions = torch.arange(predictions.shape[1], device=predictions.device)
+    matches = draft_ids == predictions[:, :-1]
+    if num_drafts is not None:
+        matches &= positions[:-1] < num_drafts[:, None]
     num_accepted = matches.byte().cumprod(dim=1).sum(dim=1)
     # accepted drafts equal the target's own tokens, so the committed ones are its predictions up to the first miss
-    positions = torch.arange(predictions.shape[1], device=predictions.device)
     return predictions.masked_fill(positions > num_accepted[:, None], EMPTY_SLOT), num_accepted
 
 

@@ -124,6 +124,29 @@ def scores(estimates: torch.Tensor, labels: torch.Tensor, base_rate: float) -> d
     }
 
 
+def quantile_edges(values: torch.Tensor, num_bins: int) -> list[float]:
+    """Interior edges of about equal-mass bins of `values` `[N]`; repeated edges dropped."""
+    quantiles = torch.linspace(0, 1, num_bins + 1, dtype=torch.float64)[1:-1]
+    edges = torch.quantile(values.double(), quantiles).unique()
+    return [float(edge) for edge in edges if 0.0 < edge < 1.0]
+
+
+def fit_table(signal: str, features, sources, slots, accepted, num_bins: int = 10,
+              num_slots: int | None = None) -> AcceptanceTable:
+    """An `AcceptanceTable` of `signal` fitted on drafts (`features` `[N, F]`, `sources`, `slots`, `accepted` `[N]`):
+    equal-mass bins of each feature over the drafter's drafts, then every cell's counts; E_w from the accepted drafts
+    per slot over the positions drafted."""
+    num_slots = num_slots or int(slots.max()) + 1
+    drafter = sources == DRAFTER
+    edges = [quantile_edges(features[drafter, f], num_bins) for f in range(features.shape[1])]
+    per_slot = torch.bincount(slots[drafter], weights=accepted[drafter].double(), minlength=num_slots)
+    positions = max(int((slots[drafter] == 0).sum()), 1)
+    expected = [0.0] + (per_slot[:num_slots].cumsum(0) / positions).tolist()
+    table = AcceptanceTable(signal, edges, num_slots, expected_accepted=expected)
+    table.add(features, sources, slots, accepted)
+    return table
+
+
 def compare_estimators(records: dict, num_slots: int, seed: int = 0) -> dict:
     """Fits (a) and (c) on half the sequences and scores them on the other half (see the module docstring)."""
     sequences = records["sequence"].unique()
@@ -139,14 +162,14 @@ def compare_estimators(records: dict, num_slots: int, seed: int = 0) -> dict:
     report["base_rate"] = base_rate
     report["evaluation_acceptance"] = float(labels_eval.mean())
 
-    table = AcceptanceTable.fit("confidence", conf_fit, sources, slots, labels, num_slots=num_slots)
+    table = fit_table("confidence", conf_fit, sources, slots, labels, num_slots=num_slots)
     report["confidence_table"] = scores(table.estimate(conf_eval, sources_eval, slots_eval), labels_eval, base_rate)
     report["raw_confidence"] = scores(conf_eval[:, 0], labels_eval, base_rate)
 
     if not torch.isnan(records["S"]).all():
         sa_fit = _flat(records, fit_rows, ["S", "A"])[0]
         sa_eval = _flat(records, evaluation_rows, ["S", "A"])[0]
-        sv_table = AcceptanceTable.fit("sv", sa_fit, sources, slots, labels, num_slots=num_slots)
+        sv_table = fit_table("sv", sa_fit, sources, slots, labels, num_slots=num_slots)
         report["sv_table"] = scores(sv_table.estimate(sa_eval, sources_eval, slots_eval), labels_eval, base_rate)
     return report
 
@@ -155,10 +178,10 @@ def fit_tables(records: dict, num_slots: int) -> dict[str, AcceptanceTable]:
     """(a)'s and, with companion signals, (c)'s tables fitted on all the records."""
     everything = torch.ones_like(records["sequence"], dtype=torch.bool)
     confidence, sources, slots, labels = _flat(records, everything, ["confidence"])
-    tables = {"confidence": AcceptanceTable.fit("confidence", confidence, sources, slots, labels, num_slots=num_slots)}
+    tables = {"confidence": fit_table("confidence", confidence, sources, slots, labels, num_slots=num_slots)}
     if not torch.isnan(records["S"]).all():
         signals = _flat(records, everything, ["S", "A"])[0]
-        tables["sv"] = AcceptanceTable.fit("sv", signals, sources, slots, labels, num_slots=num_slots)
+        tables["sv"] = fit_table("sv", signals, sources, slots, labels, num_slots=num_slots)
     return tables
 
 

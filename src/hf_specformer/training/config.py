@@ -35,8 +35,7 @@ class DrafterTrainingConfig:
             on whole (needs `eval_fraction` 0): runs on different training sets compare on the same texts.
         target_dtype: dtype the frozen target is loaded in (its hidden states are what the drafter learns from). The
             device is accelerate's (a GPU when there is one; `accelerate launch --cpu` for the CPU).
-        intermediate_size: width of the slot SwiGLU (0: the target's MLP width, or `init_from`'s); with `init_from`, a
-            larger one widens it by splitting units (Net2Net), so the drafter drafts the same at step 0.
+        intermediate_size: width of a fresh drafter's slot SwiGLU (0: the target's MLP width).
         new_parameter_learning_rate_scale: with `init_from`, the learning-rate multiple of the parameters it lacks
             (a new matrix starting at zero would otherwise grow at the fine-tuning pace).
         lora: adapt the `init_from` drafter with a LoRA adapter (PEFT) on its linear layers, its weights frozen; the
@@ -109,7 +108,7 @@ class DrafterTrainingConfig:
         default=None, metadata={"help": "Start from this drafter folder's weights instead of a fresh init."}
     )
     intermediate_size: int = field(
-        default=0, metadata={"help": "Slot SwiGLU width (0: the target's, or init_from's); with init_from, widens it."}
+        default=0, metadata={"help": "A fresh drafter's slot SwiGLU width (0: the target's MLP width)."}
     )
     new_parameter_learning_rate_scale: float = field(
         default=1.0, metadata={"help": "With init_from: learning-rate multiple of the parameters it lacks."}
@@ -152,9 +151,8 @@ class DrafterTrainingConfig:
         if self.lora and self.next_token_input:
             raise ValueError("`lora` trains adapters of the drafter's existing layers only; add the next-token input "
                              "with full training (`init_from` without `lora`).")
-        if self.lora and self.intermediate_size:
-            raise ValueError("`lora` trains adapters of the drafter's existing layers only; widen its SwiGLU "
-                             "(`intermediate_size`) with full training.")
+        if self.init_from and self.intermediate_size:
+            raise ValueError("`intermediate_size` sets a fresh drafter's width; an `init_from` drafter keeps its own.")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"`lora_dropout` must be in [0, 1), got {self.lora_dropout}.")
         if self.loss_slots > self.draft_length:

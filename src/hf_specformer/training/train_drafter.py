@@ -107,10 +107,6 @@ def build_drafter(
             f"`init_from` has draft_length {drafter.config.draft_length}, the run asks for {config.draft_length}."
         )
     drafter.bind_target(target)
-    if config.intermediate_size and config.intermediate_size != drafter.config.intermediate_size:
-        generator = torch.Generator().manual_seed(config.seed)
-        widen_swiglu(drafter.slot_block.mlp, config.intermediate_size, generator)
-        drafter.config.intermediate_size = config.intermediate_size
     if config.lora:
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                           target_modules="all-linear")
@@ -118,36 +114,6 @@ def build_drafter(
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             return get_peft_model(drafter, lora).train(), frozenset()
     return drafter.train(), frozenset(loading["missing_keys"])
-
-
-SPLIT_NOISE = 0.01
-"""Scale of the noise on a split unit's gate row, relative to that row's standard deviation (`widen_swiglu`)."""
-
-
-@torch.no_grad()
-def widen_swiglu(
-    mlp: torch.nn.Module, width: int, generator: torch.Generator, noise_scale: float = SPLIT_NOISE
-) -> None:
-    """Widens a SwiGLU (`gate_proj`, `up_proj`: d -> m, `down_proj`: m -> d) to `width` units in place by splitting
-    units (Net2WiderNet, Chen et al., ICLR 2016): unit `i % m` gets the i-th copy, with the same input rows, and each
-    of a unit's c copies gets 1/c of its output column, so the sum is unchanged. The copies' gate rows get noise of
-    `noise_scale` times their standard deviation: identical copies would get identical gradients and never part.
-    The output moves by that noise only (a zero-initialised new unit would leave it exact, but its output column
-    grows at the fine-tuning rate from nothing, where a split unit carries its share of the function from step 0)."""
-    old = mlp.gate_proj.out_features
-    if width < old:
-        raise ValueError(f"`intermediate_size` {width} is narrower than the drafter's {old}: a SwiGLU can be widened "
-                         "keeping its function, not narrowed.")
-    source = torch.arange(width) % old  # [width] the unit each new unit copies
-    copies = torch.bincount(source, minlength=old).to(mlp.down_proj.weight)  # [m]
-    gate = mlp.gate_proj.weight[source]  # [width, d]
-    copied = gate[old:]  # [width - m, d] the copies' rows (a view)
-    copied += torch.randn(copied.shape, generator=generator).to(copied) * copied.std(dim=1, keepdim=True) * noise_scale
-    for name, weight in (("gate_proj", gate), ("up_proj", mlp.up_proj.weight[source]),
-                         ("down_proj", mlp.down_proj.weight[:, source] / copies[source])):
-        layer = getattr(mlp, name)
-        layer.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=layer.weight.requires_grad)
-        layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
 
 
 def scored_vocabulary(drafter: SpecFormerForDrafting | PeftModel, train_set: Dataset,

@@ -72,13 +72,6 @@ def uniform_edges(num_bins: int) -> list[float]:
     return [i / num_bins for i in range(1, num_bins)]
 
 
-def quantile_edges(values: torch.Tensor, num_bins: int) -> list[float]:
-    """Interior edges of about equal-mass bins of `values` `[N]`; repeated edges dropped."""
-    quantiles = torch.linspace(0, 1, num_bins + 1, dtype=torch.float64)[1:-1]
-    edges = torch.quantile(values.double(), quantiles).unique()
-    return [float(edge) for edge in edges if 0.0 < edge < 1.0]
-
-
 class AcceptanceTable:
     """P(accept | source, slot, binned signal): prior rates and weights plus online counts, all
     `[NUM_SOURCES, num_slots, *bins]`; an estimate is (accepted + prior_trials * prior_rate) / (verified +
@@ -157,27 +150,13 @@ class AcceptanceTable:
         return cls(data["signal"], data["edges"], data["num_slots"], torch.tensor(data["rate"], dtype=torch.float64),
                    trials.clamp(max=max_trials), data.get("expected_accepted"))
 
-    @classmethod
-    def fit(cls, signal: str, features, sources, slots, accepted, num_bins: int = 10,
-            num_slots: int | None = None) -> "AcceptanceTable":
-        """Equal-mass bins of each feature over the drafter's drafts, then every cell's counts; E_w from the
-        accepted drafts per slot over the positions drafted."""
-        num_slots = num_slots or int(slots.max()) + 1
-        drafter = sources == DRAFTER
-        edges = [quantile_edges(features[drafter, f], num_bins) for f in range(features.shape[1])]
-        per_slot = torch.bincount(slots[drafter], weights=accepted[drafter].double(), minlength=num_slots)
-        positions = max(int((slots[drafter] == 0).sum()), 1)
-        expected = [0.0] + (per_slot[:num_slots].cumsum(0) / positions).tolist()
-        table = cls(signal, edges, num_slots, expected_accepted=expected)
-        table.add(features, sources, slots, accepted)
-        return table
 
-
-def observed_outcomes(num_accepted: torch.LongTensor, num_drafts: torch.LongTensor, k: int):
+def observed_outcomes(num_accepted: torch.LongTensor, num_drafts: torch.LongTensor | int, k: int):
     """What a verification tells about each draft: `[B, k]` observed (verified, every earlier draft accepted) and
-    accepted."""
+    accepted (`num_drafts` `[B]`, or one count for every row)."""
     positions = torch.arange(k, device=num_accepted.device)[None, :]
-    observed = (positions <= num_accepted[:, None]) & (positions < num_drafts[:, None])
+    verified = num_drafts[:, None] if isinstance(num_drafts, torch.Tensor) else num_drafts
+    observed = (positions <= num_accepted[:, None]) & (positions < verified)
     return observed, positions < num_accepted[:, None]
 
 
@@ -203,7 +182,7 @@ class AcceptanceEstimator:
         per_draft = self.table.estimate(features.flatten(0, 1), sources.flatten(), slots)
         return per_draft.masked_fill(sources.flatten() == NO_DRAFT, 0).view(batch, k).cumprod(dim=1), features
 
-    def observe(self, features, sources, num_accepted: torch.LongTensor, num_drafts: torch.LongTensor) -> None:
+    def observe(self, features, sources, num_accepted: torch.LongTensor, num_drafts: torch.LongTensor | int) -> None:
         """Adds what a step observed of its drafts (`features` `[B, k, F]` and `sources` `[B, k]` from `estimate`)."""
         batch, k = sources.shape
         observed, accepted = observed_outcomes(num_accepted, num_drafts, k)

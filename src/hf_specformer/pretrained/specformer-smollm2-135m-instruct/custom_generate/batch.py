@@ -51,6 +51,7 @@ class RaggedBatch:
         num_live, max_length: rows not finished and the largest of `lengths`, as of the last host read.
         max_prefix, min_prefix: bounds of the longest and shortest committed prefix of the live rows, on the host.
         positions: `[capacity]` 0, 1, ... (for masks and offsets, allocated once).
+        causal: (T, dtype) -> `[T, C + T]` the additive causal mask of a step of T inputs (`_causal`).
     """
 
     tokens: torch.LongTensor
@@ -72,6 +73,7 @@ class RaggedBatch:
     max_prefix: int = 0
     min_prefix: int = 0
     positions: torch.LongTensor | None = None
+    causal: dict = field(default_factory=dict)
 
     @classmethod
     def start(cls, input_ids, attention_mask, max_new_tokens: int, new_columns: int, slots: int, capacity: int,
@@ -168,21 +170,29 @@ class RaggedBatch:
         """`[B]` tokens in each active row's committed prefix."""
         return self.prompt_width + self.num_generated[self.row_ids]
 
-    def step_mask(self, verified: torch.LongTensor, shape: str = "2d", dtype: torch.dtype | None = None):
-        """The forward's mask: the cache's validity, then 1 at the T new inputs a row verifies (`verified` `[B, T]`;
-        the others are never read, so no input need attend to them). `shape` "2d": `[B, S + T]`; "bool": `[B, 1, T,
-        S + T]`, causal among the new inputs (what `sdpa` takes, sparing `transformers` building it per forward);
-        "float": the same as an additive mask in `dtype` (what `eager` takes)."""
-        start, num_inputs = self.columns, verified.shape[1]
-        self.valid[: self.size, start : start + num_inputs] = verified
+    def step_mask(self, verified: torch.Tensor | int, shape: str = "2d", dtype: torch.dtype | None = None):
+        """The forward's mask: the cache's validity, then 1 at the T new inputs a row verifies (`verified` `[B, T]`,
+        or T: every row verifies all; the others are never read, so no input need attend to them). `shape` "2d":
+        `[B, S + T]`; "float": `[B, 1, T, S + T]`, causal among the new inputs, additive in `dtype` (what `sdpa` and
+        `eager` take: `transformers` need not build it per forward, nor `sdpa` convert a boolean one per layer)."""
+        start, num_inputs = self.columns, verified if isinstance(verified, int) else verified.shape[1]
+        self.valid[: self.size, start : start + num_inputs] = 1 if isinstance(verified, int) else verified
         mask = self.valid[: self.size, : start + num_inputs]
         if shape == "2d":
             return mask
-        causal = self.positions[None, : start + num_inputs] <= start + self.positions[:num_inputs, None]  # [T, S + T]
-        mask = mask.bool()[:, None, None, :] & causal
-        if shape == "bool":
-            return mask
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        causal = self._causal(num_inputs, dtype)[:, -start - num_inputs:]  # [T, S + T]
+        return causal.masked_fill(mask[:, None, None, :] == 0, torch.finfo(dtype).min)
+
+    def _causal(self, num_inputs: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[T, C + T]` (C = capacity), additive in `dtype`: input t attends to columns up to C + t; the last S + T
+        columns serve a step at column S. Built once per T for the call."""
+        if (num_inputs, dtype) not in self.causal:
+            capacity = self.valid.shape[1]
+            columns = torch.arange(capacity + num_inputs, device=self.valid.device)
+            hidden = columns[None, :] > capacity + columns[:num_inputs, None]
+            self.causal[num_inputs, dtype] = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+                hidden, torch.finfo(dtype).min)
+        return self.causal[num_inputs, dtype]
 
     def commit_cache(self, num_valid: torch.LongTensor, num_inputs: int) -> None:
         """After a forward of T inputs, the first `num_valid[b]` new columns of row b are kept."""

@@ -26,19 +26,18 @@ def kv_bytes_per_column(config, num_layers: int, dtype: torch.dtype) -> int:
 
 class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in buffers `[slots, H, capacity, D]`; `keys`/`values` are views of the active
-    rows' used columns `[B, H, length, D]`."""
+    rows' used columns `[B, H, length, D]`. `slots` None: as many as the rows of the first states written."""
 
-    def __init__(self, capacity: int, is_sliding: bool = False):
+    def __init__(self, capacity: int, is_sliding: bool = False, slots: int | None = None):
         super().__init__()
-        self.capacity = capacity
-        self.is_sliding = is_sliding
+        self.capacity, self.is_sliding, self.slots = capacity, is_sliding, slots
         self.length = 0
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None):
-        """Zeroed buffers for `slots` rows (default: the rows of the first states written)."""
-        slots = slots or key_states.shape[0]
+        """Zeroed buffers for `slots` rows (default: the layer's, else the rows of the first states written)."""
+        slots = slots or self.slots or key_states.shape[0]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.key_buffer = key_states.new_zeros(slots, key_states.shape[1], self.capacity, key_states.shape[3])
         self.value_buffer = value_states.new_zeros(slots, value_states.shape[1], self.capacity, value_states.shape[3])
@@ -46,8 +45,9 @@ class PreallocatedLayer(DynamicLayer):
         self._view(key_states.shape[0])
 
     def _view(self, batch: int) -> None:
-        self.keys = self.key_buffer[:batch, :, : self.length]
-        self.values = self.value_buffer[:batch, :, : self.length]
+        """`rows`: the buffers' first `batch` rows `[B, H, capacity, D]`, kept between forwards (fewer ops a step)."""
+        self.rows = (self.key_buffer[:batch], self.value_buffer[:batch])
+        self.keys, self.values = (rows[:, :, : self.length] for rows in self.rows)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Writes `[B, H, T, D]` new columns after the used ones; returns the used columns `[B, H, length, D]`."""
@@ -56,11 +56,12 @@ class PreallocatedLayer(DynamicLayer):
         end = self.length + key_states.shape[2]
         if end > self.capacity:
             raise RuntimeError(f"PreallocatedLayer holds {self.capacity} columns; {end} were asked for.")
-        batch = key_states.shape[0]
-        self.key_buffer[:batch, :, self.length : end] = key_states
-        self.value_buffer[:batch, :, self.length : end] = value_states
+        if key_states.shape[0] != self.rows[0].shape[0]:
+            self._view(key_states.shape[0])
+        self.rows[0][:, :, self.length : end] = key_states
+        self.rows[1][:, :, self.length : end] = value_states
         self.length = end
-        self._view(batch)
+        self.keys, self.values = self.rows[0][:, :, :end], self.rows[1][:, :, :end]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -84,11 +85,11 @@ class PreallocatedLayer(DynamicLayer):
         """Keeps the active rows `indices` `[B']`, moved to the front; with none left, no columns either."""
         if not indices.numel():
             self.length = 0
-        if not self.is_initialized:
-            return
-        for buffer in (self.key_buffer, self.value_buffer):
-            buffer[: indices.numel(), :, : self.length] = buffer[indices, :, : self.length]
-        self._view(indices.numel())
+        elif self.is_initialized:
+            for buffer in (self.key_buffer, self.value_buffer):
+                buffer[: indices.numel(), :, : self.length] = buffer[indices, :, : self.length]
+        if self.is_initialized:
+            self._view(indices.numel())
 
     def append_rows(self, other: "PreallocatedLayer", slots: int) -> None:
         """Appends `other`'s rows `[n, H, L', D]` after the active rows `[B, H, L, D]`, column by column, both
@@ -129,18 +130,19 @@ class PreallocatedCache(Cache):
         num_layers: the model's attention layers.
         capacity: columns each layer holds.
         sliding: per layer, whether it is a sliding-window one (default: none).
+        slots: rows each layer holds (None: the rows of the first states written).
     """
 
-    def __init__(self, num_layers: int, capacity: int, sliding: list[bool] | None = None):
+    def __init__(self, num_layers: int, capacity: int, sliding: list[bool] | None = None, slots: int | None = None):
         sliding = sliding or [False] * num_layers
-        super().__init__(layers=[PreallocatedLayer(capacity, is_sliding) for is_sliding in sliding])
+        super().__init__(layers=[PreallocatedLayer(capacity, is_sliding, slots) for is_sliding in sliding])
         self.capacity = capacity
 
     @classmethod
-    def like(cls, cache: Cache, num_layers: int, capacity: int) -> "PreallocatedCache":
+    def like(cls, cache: Cache, num_layers: int, capacity: int, slots: int | None = None) -> "PreallocatedCache":
         """A preallocated cache with the layer kinds of `cache` (a fresh `DynamicCache`; lazily built: all full)."""
         sliding = [bool(getattr(layer, "is_sliding", False)) for layer in cache.layers] or None
-        return cls(len(cache.layers) or num_layers, capacity, sliding)
+        return cls(len(cache.layers) or num_layers, capacity, sliding, slots)
 
     @property
     def columns(self) -> int:

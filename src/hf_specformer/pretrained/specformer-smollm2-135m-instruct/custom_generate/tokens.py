@@ -51,7 +51,7 @@ class RaggedLogitsProcessor:
         for length, eos in blocking:  # not once every live row's prefix is past every minimum (on the host)
             eos = eos.to(scores.device)
             if batch.max_prefix + offset + scores.shape[1] <= length:  # every position is below it
-                scores[..., eos] = -torch.inf
+                scores.index_fill_(-1, eos, -torch.inf)
                 continue
             lengths = batch.prefix_lengths()[:, None] + offset + batch.positions[: scores.shape[1]]
             scores[..., eos] = scores[..., eos].masked_fill((lengths < length)[..., None], -torch.inf)
@@ -184,11 +184,11 @@ class Committer:
         remaining = batch.max_new[batch.row_ids] - generated
         finished = batch.finished | (counts >= remaining)
         counts = torch.minimum(counts, remaining).masked_fill_(batch.finished, 0)
-        if self.eos_token_ids is not None:
-            is_eos = torch.isin(tokens, self.eos_token_ids) & (offsets < counts[:, None])
-            ended = is_eos.any(1)
-            counts = torch.where(ended, is_eos.byte().argmax(1) + 1, counts)  # up to the first EOS
-            finished |= ended
+        if self.eos_token_ids is not None:  # up to the first EOS (its count: the position after it)
+            after = batch.positions[1: tokens.shape[1] + 1]
+            eos_end = torch.where(torch.isin(tokens, self.eos_token_ids), after, tokens.shape[1] + 1).amin(1)
+            finished |= eos_end <= counts
+            counts = torch.minimum(counts, eos_end)
         if self.extra_criteria:
             batch.write(tokens)
             counts, finished = self._apply_extra_criteria(batch, counts, finished)
