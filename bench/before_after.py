@@ -4,8 +4,9 @@ backend, ours now, and ours at an earlier commit (run in a worker process on tha
     git worktree add /tmp/before c91b218
     python bench/before_after.py --before /tmp/before --output bench/smollm2_cpu_before_after
 
-The earlier engine is called as its commit's API took it: `generate(target, assistant_model=drafter,
-num_draft_tokens=3, lookup_ngram_size=4, schedule="goodput")` (its CPU products were built into the engine).
+The earlier engine is called as its commit's API took it: before the lean rewrite (c91b218) `generate(target,
+assistant_model=drafter, num_draft_tokens=3, lookup_ngram_size=4, schedule="goodput")` (its CPU products were built
+into the engine); from then on as `hf-specformer bench` calls ours (under `cpu_products`).
 """
 
 import argparse
@@ -29,17 +30,26 @@ from hf_specformer.targets import (
 )
 
 WORKER = """
-import io, sys, torch
+import contextlib, io, sys, torch
 from hf_specformer import generate
-from hf_specformer.shipped_models import load_drafter
 from hf_specformer.targets import load_target
+try:  # the engine before the lean rewrite (c91b218): CPU products built in, its own argument names
+    from hf_specformer.shipped_models import load_drafter
+    arguments = dict(num_draft_tokens=3, lookup_ngram_size=4, schedule="goodput")
+    backend = lambda: contextlib.nullcontext()
+except ImportError:  # a later commit: called as `hf-specformer bench` calls ours
+    from hf_specformer import cpu_products
+    from hf_specformer.targets import load_drafter
+    arguments = dict(speculation_config={"schedule": "goodput"})
+    backend = lambda: cpu_products(target, drafter)
 target = load_target("smollm2")
 drafter = load_drafter(None, target)
 stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
 while header := stdin.readline():
     batch, kwargs = torch.load(io.BytesIO(stdin.read(int(header))))
-    output = generate(target, **batch, assistant_model=drafter, num_draft_tokens=3, lookup_ngram_size=4,
-                      schedule="goodput", return_dict_in_generate=True, **kwargs)
+    with backend():
+        output = generate(target, **batch, assistant_model=drafter, return_dict_in_generate=True, **arguments,
+                          **kwargs)
     buffer = io.BytesIO()
     torch.save((output.sequences, output.speculation_stats.to_dict()), buffer)
     stdout.write(b"%d\\n" % buffer.tell() + buffer.getvalue())

@@ -11,6 +11,7 @@ from generation.helpers import PAD, assert_same_as_generate, make_batch
 from torch import nn
 
 from hf_specformer import cpu_products
+import hf_specformer.cpu as cpu
 from hf_specformer.cpu import FEW_HEAD_ROWS, FEW_ROWS, GQA_SDPA, PACKED_QUERY_LIMIT, padded_rows, transposed_linear
 
 pytestmark = CPU_ONLY
@@ -51,6 +52,7 @@ def test_few_row_products_serve_eligible_layers_only_and_only_inside_the_block(m
     model.get_output_embeddings = lambda: model[3]
     model.config = None
     calls = []
+    monkeypatch.setattr("hf_specformer.cpu.transposed_is_faster", lambda weight, rows: True)
     monkeypatch.setattr("hf_specformer.cpu.transposed_linear",
                         lambda x, w, b=None: calls.append(x.reshape(-1, x.shape[-1]).shape[0]) or
                         transposed_linear(x, w, b))
@@ -65,6 +67,30 @@ def test_few_row_products_serve_eligible_layers_only_and_only_inside_the_block(m
         assert torch.equal(model[2](x), nn.functional.linear(x, model[2].weight, model[2].bias) + 1)
     assert calls == [FEW_ROWS, FEW_HEAD_ROWS]
     assert not any("forward" in layer.__dict__ for layer in model)
+
+
+def test_a_shape_runs_transposed_only_where_that_was_timed_faster(monkeypatch):
+    """Each (shape, rows, dtype) is timed once: W @ x^T where it is clearly faster, else the layer's own product."""
+    monkeypatch.setattr(cpu, "_TRANSPOSED_FASTER", {})
+    slow = {"transposed": True}
+
+    def timed_call(call, repeats=5):
+        call()
+        return 2.0 if (call.func is transposed_linear) == slow["transposed"] else 1.0
+    monkeypatch.setattr(cpu, "_best_seconds", timed_call)
+    weight = torch.randn(8, 6, **DOUBLE)
+    assert not cpu.transposed_is_faster(weight, 2)
+    slow["transposed"] = False
+    assert not cpu.transposed_is_faster(weight, 2)  # timed once per shape and process
+    assert cpu.transposed_is_faster(weight, 4) and cpu.transposed_is_faster(weight.float(), 2)
+    layer, calls = nn.Linear(6, 8, **DOUBLE), []
+    layer.config = None
+    monkeypatch.setattr(cpu, "transposed_linear", lambda x, w, b=None: calls.append(len(x)) or transposed_linear(x, w, b))
+    with cpu_products(layer):
+        x = torch.randn(4, 6, **DOUBLE)
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+        layer(torch.randn(2, 6, **DOUBLE))
+    assert calls == [4]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

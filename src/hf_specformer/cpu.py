@@ -4,8 +4,9 @@
         target.generate(**inputs)                                   # plain decoding gains too
         hf_specformer.generate(target, **inputs, assistant_model=drafter)
 
-For few rows MKL computes `nn.Linear`'s `x @ W^T` with a packing pass over the whole weight per call; `W @ x^T`
-streams it once: faster up to `FEW_ROWS` rows (`FEW_HEAD_ROWS` for the head). Inputs whose mask column is 0 (left
+On some CPUs MKL computes a few-row `nn.Linear` (`x @ W^T`) with a packing pass over the whole weight per call,
+where `W @ x^T` streams it once; on others it does not. Up to `FEW_ROWS` rows (`FEW_HEAD_ROWS` for the head) a layer
+runs as `W @ x^T` where that was timed faster for its shape on this CPU (`transposed_is_faster`). Inputs whose mask column is 0 (left
 padding, drafts a step does not verify) are skipped (SV's packed verification, arXiv 2509.24328 section 6), and
 masked grouped-query attention runs without copying the key/value heads. Outputs equal the models' own up to
 summation order; only float32/float64 `nn.Linear` layers on the CPU change, and everything is restored on exit.
@@ -14,6 +15,7 @@ summation order; only float32/float64 `nn.Linear` layers on the CPU change, and 
 from __future__ import annotations
 
 import contextlib
+import time
 from functools import partial
 
 import numpy as np
@@ -28,6 +30,9 @@ FEW_ROWS = 32
 
 FEW_HEAD_ROWS = 128
 """The same bound for the target's output layer, whose weight is the vocabulary's."""
+
+CHOICE_MARGIN = 0.9
+"""A shape runs as W @ x^T only where that took at most this share of x @ W^T's time (a margin over timing noise)."""
 
 PACKED_QUERY_LIMIT = 8
 """Up to this many queries per row, each key/value head's queries are packed into one sequence."""
@@ -81,6 +86,33 @@ AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
 AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
 
 
+_TRANSPOSED_FASTER: dict = {}
+"""(d_out, d_in, rows, dtype) -> whether W @ x^T beat x @ W^T on this CPU (`transposed_is_faster`)."""
+
+
+def transposed_is_faster(weight: torch.Tensor, rows: int) -> bool:
+    """Whether `transposed_linear` beats `F.linear` for `rows` input rows of `weight` on this CPU, timed once per
+    shape and process (the best of 5 calls each, as `torch.backends.cudnn.benchmark` picks kernels)."""
+    key = (*weight.shape, rows, weight.dtype)
+    if key not in _TRANSPOSED_FASTER:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        with torch.no_grad():
+            transposed, plain = (_best_seconds(partial(product, x, weight))
+                                 for product in (transposed_linear, nn.functional.linear))
+        _TRANSPOSED_FASTER[key] = transposed <= CHOICE_MARGIN * plain
+    return _TRANSPOSED_FASTER[key]
+
+
+def _best_seconds(call, repeats: int = 5) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 class _Products:
     """The linear layers of the models, switched for the block (see `cpu_products`)."""
 
@@ -103,7 +135,8 @@ class _Products:
 
     @staticmethod
     def product(layer: nn.Linear, inner, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-        if max_rows and x.numel() <= max_rows * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if max_rows and rows <= max_rows and transposed_is_faster(layer.weight, padded_rows(rows)):
             return transposed_linear(x, layer.weight, layer.bias)
         return inner(x)
 
