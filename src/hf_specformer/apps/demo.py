@@ -37,12 +37,15 @@ def _answers(sequences: torch.LongTensor, width: int, eos: set[int]) -> list[lis
     return [cut_after_eos(row[width:], eos) for row in sequences.tolist()]
 
 
-def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new_tokens: int) -> list[dict]:
-    """The two jobs (see the module docstring) -> one row each: seconds of every call, speedups, kappa, identical."""
+def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new_tokens: int,
+             schedule: str = "goodput") -> list[dict]:
+    """The two jobs (see the module docstring), speculation on `schedule` -> one row each: seconds of every call,
+    speedups, kappa, identical."""
     cpu = target.device.type == "cpu"
     backend = (lambda: cpu_products(target, drafter)) if cpu else contextlib.nullcontext
     eos = {tokenizer.eos_token_id}
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    speculation = {"schedule": schedule}
     ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
 
     def static(rows: list[list[int]], speculative: bool):
@@ -52,7 +55,7 @@ def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new
         if not speculative:
             return _answers(target.generate(input_ids=input_ids, attention_mask=mask, **kwargs), width, eos), None
         output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter,
-                          return_dict_in_generate=True, **kwargs)
+                          return_dict_in_generate=True, speculation_config=speculation, **kwargs)
         stats = output.speculation_stats
         return _answers(output.sequences, width, eos), (stats.row_steps, stats.accepted)
 
@@ -68,7 +71,7 @@ def run_jobs(target, tokenizer, drafter, prompts: list[str], slots: int, max_new
     def ours_batch():
         with backend():
             outputs = generate_batch(target, ids, assistant_model=drafter, max_batch_size=slots, progress_bar=False,
-                                     **kwargs)
+                                     speculation_config=speculation, **kwargs)
         return [o.generated_tokens for o in outputs], (sum(o.steps for o in outputs),
                                                       sum(o.accepted_drafts for o in outputs))
 
@@ -141,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=12, help="prompts of the mixed set (default: %(default)s)")
     parser.add_argument("--slots", type=int, default=4, help="rows at once in the batch job (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--schedule", choices=["goodput", "fixed"], default="goodput",
+                        help="how many drafts to verify: goodput (each step's best, 0 included) or fixed (all k)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -156,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     drafter = load_drafter(args.drafter, target)
     print(f"target: {args.target}; drafter: {drafter.num_parameters() / 1e6:.2f}M parameters, "
           f"k = {drafter.config.num_speculative_tokens}, on {target.device}")
-    rows = run_jobs(target, tokenizer, drafter, demo_prompts(args.prompts), args.slots, args.max_new_tokens)
+    rows = run_jobs(target, tokenizer, drafter, demo_prompts(args.prompts), args.slots, args.max_new_tokens,
+                    args.schedule)
     print_table(rows)
     if args.plot:
         print(f"plot: {plot(rows, Path(args.plot))}")
