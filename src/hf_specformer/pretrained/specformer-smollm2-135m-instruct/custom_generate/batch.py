@@ -48,7 +48,8 @@ class RaggedBatch:
         max_new: `[B0]` new tokens each row may generate.
         prompt_lengths: `[B0]` real prompt tokens per row, on the host (an admission's width and groups).
         host_rows, host_finished: `row_ids` and `finished` on the host, as of the last host read.
-        num_live, max_length: rows not finished and the largest of `lengths`, as of the last host read.
+        num_live, max_length, min_length: rows not finished, the largest and smallest of `lengths`, as of the last
+            host read.
         max_prefix, min_prefix: bounds of the longest and shortest committed prefix of the live rows, on the host.
         positions: `[capacity]` 0, 1, ... (for masks and offsets, allocated once).
         causal: (T, dtype) -> `[T, C + T]` the additive causal mask of a step of T inputs (`_causal`).
@@ -74,6 +75,7 @@ class RaggedBatch:
     min_prefix: int = 0
     positions: torch.LongTensor | None = None
     causal: dict = field(default_factory=dict)
+    min_length: int = 0
 
     @classmethod
     def start(cls, input_ids, attention_mask, max_new_tokens: int, new_columns: int, slots: int, capacity: int,

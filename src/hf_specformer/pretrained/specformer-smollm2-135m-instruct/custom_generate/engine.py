@@ -95,6 +95,7 @@ class StepResult:
     accepted: list[int]  # [B] drafts each row accepted
     finished: list[bool]  # [B] rows that have ended
     max_length: int  # the longest row's valid cache entries
+    min_length: int  # the shortest row's (all columns valid in every row: no mask needed for one input)
     scores: torch.Tensor | None  # [B, k] the next plan's scores (finished rows: 0)
     free: torch.BoolTensor | None  # [B, k] the next plan's drafts of a free source
 
@@ -278,6 +279,7 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         position_ids = batch.lengths[:, None] + inputs
         verified = width + 1 if num_drafts is None else inputs <= num_drafts[:, None]
         mask = batch.step_mask(verified, call.mask_shape if width else "2d", dtype)
+        mask = None if not width and batch.min_length == batch.columns else mask  # one input, every column valid
         logits = target_forward(model, step_ids, mask, position_ids, caches[0])
 
         # 3. Verify: the accepted drafts and the target's correction or bonus token
@@ -394,14 +396,15 @@ def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, wi
     """One host read of the accepted drafts, the finished rows, the longest row and the next plan's scores, and for a
     feed each row's last `window` tokens (`_tell`)."""
     size = batch.size
-    parts = [batch.finished, batch.lengths.max()[None]] + ([] if num_accepted is None else [num_accepted])
+    shortest, longest = batch.lengths.aminmax()
+    parts = [batch.finished, longest[None], shortest[None]] + ([] if num_accepted is None else [num_accepted])
     parts += [] if call.feed is None else [_last_tokens(batch, window).flatten()]
     parts += [part.flatten() for part in (plan.scores, plan.free) if part is not None]
     values = call.read(torch.cat(parts))  # cat promotes to the widest dtype
     finished = [value > 0 for value in values[:size]]
-    accepted = [int(value) for value in values[size + 1: 2 * size + 1]] if num_accepted is not None else []
+    accepted = [int(value) for value in values[size + 2: 2 * size + 2]] if num_accepted is not None else []
     if call.feed is not None:
-        start = size + 1 + len(accepted)
+        start = size + 2 + len(accepted)
         _tell(call, batch, [[int(v) for v in values[i: i + window + 1]]
                             for i in range(start, start + size * (window + 1), window + 1)], window)
     host, end = [], len(values)
@@ -412,7 +415,7 @@ def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, wi
     free, scores = host
     if scores is not None:
         scores.mul_(torch.tensor([[not done] for done in finished], dtype=torch.float64))
-    return StepResult(accepted, finished, int(values[size]), scores, free)
+    return StepResult(accepted, finished, int(values[size]), int(values[size + 1]), scores, free)
 
 
 def _record(call: _Call, batch: RaggedBatch, plan: StepPlan, counts, width, was_live, result: StepResult) -> None:
@@ -429,7 +432,7 @@ def _settle(call: _Call, batch: RaggedBatch, caches: list, plan: StepPlan, resul
     """After a step's read: tells of rows that ended, drops finished rows once the batch can shrink, and compacts the
     caches when holes dominate or the next step would not fit. Returns the plan of the rows kept."""
     plan.scores, plan.free = result.scores, result.free
-    batch.host_finished, batch.max_length = result.finished, result.max_length
+    batch.host_finished, batch.max_length, batch.min_length = result.finished, result.max_length, result.min_length
     batch.num_live = result.finished.count(False)
     ended = [i for i, done in enumerate(result.finished) if done and batch.host_rows[i] not in call.rows.reported]
     if ended and call.rows.callback is not None:
@@ -488,7 +491,9 @@ def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan:
     plan = new_plan if plan is None else plan.join(new_plan)
     batch.join(new)
     joined = StepResult([], batch.host_finished[: batch.size - new.size] + result.finished,
-                        max(batch.max_length, result.max_length), plan.scores, plan.free)
+                        max(batch.max_length, result.max_length),
+                        min(batch.min_length, result.min_length) if batch.size > new.size else result.min_length,
+                        plan.scores, plan.free)
     return _settle(call, batch, caches, plan, joined)
 
 
