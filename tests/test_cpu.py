@@ -85,7 +85,8 @@ def test_a_shape_runs_transposed_only_where_that_was_timed_faster(monkeypatch):
     assert cpu.transposed_is_faster(weight, 4) and cpu.transposed_is_faster(weight.float(), 2)
     layer, calls = nn.Linear(6, 8, **DOUBLE), []
     layer.config = None
-    monkeypatch.setattr(cpu, "transposed_linear", lambda x, w, b=None: calls.append(len(x)) or transposed_linear(x, w, b))
+    monkeypatch.setattr(cpu, "transposed_linear",
+                        lambda x, w, b=None: calls.append(len(x)) or transposed_linear(x, w, b))
     with cpu_products(layer):
         x = torch.randn(4, 6, **DOUBLE)
         torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))

@@ -6,10 +6,11 @@
 
 On some CPUs MKL computes a few-row `nn.Linear` (`x @ W^T`) with a packing pass over the whole weight per call,
 where `W @ x^T` streams it once; on others it does not. Up to `FEW_ROWS` rows (`FEW_HEAD_ROWS` for the head) a layer
-runs as `W @ x^T` where that was timed faster for its shape on this CPU (`transposed_is_faster`). Inputs whose mask column is 0 (left
-padding, drafts a step does not verify) are skipped (SV's packed verification, arXiv 2509.24328 section 6), and
-masked grouped-query attention runs without copying the key/value heads. Outputs equal the models' own up to
-summation order; only float32/float64 `nn.Linear` layers on the CPU change, and everything is restored on exit.
+runs as `W @ x^T` where that was timed faster for its shape on this CPU (`transposed_is_faster`). Inputs whose mask
+column is 0 (left padding, drafts a step does not verify) are skipped (SV's packed verification, arXiv 2509.24328
+section 6), and masked grouped-query attention runs without copying the key/value heads. Outputs equal the models'
+own up to summation order; only float32/float64 `nn.Linear` layers on the CPU change, and everything is restored on
+exit.
 """
 
 from __future__ import annotations

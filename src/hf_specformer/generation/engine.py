@@ -358,9 +358,9 @@ def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted) ->
 
 
 def _draft_tokens(call: _Call, batch: RaggedBatch, proposal: Proposal, sources):
-    """The network's draft logits -> draft ids `[B, k]` and their processed probabilities
-    `[B, k, V]` (None when neither sampling nor the schedule reads them). Slot j is processed with the prefix and
-    drafts 1..j-1, one slot at a time (the drafts written as scratch) when a processor reads the prefix."""
+    """The network's draft logits -> draft ids `[B, k]` and their processed probabilities `[B, k, V]` (None when
+    neither sampling nor the schedule reads them). Slot j is processed with the prefix and drafts 1..j-1, one slot at
+    a time (the drafts written as scratch) when a processor reads the prefix."""
     fixed = sources == LOOKUP if proposal.ids is not None else None
 
     def select(scores, start: int) -> torch.LongTensor:
