@@ -11,7 +11,9 @@ The drafts come from a *corrupted oracle*: a random-weight SpecFormer drafter ru
 slot j kept with conditional probability a_j and replaced by a wrong token otherwise. The rates a_j are the shipped
 drafter's live ones on MT-bench (`bench/smollm2_cpu_drafter_eval.json`, drafter alone) and constant rates giving
 kappa 1.8 and 2.2 at k = 3. The goodput scheduler sees a_j as each draft's confidence (calibrated, not informative).
-Every speculative output is checked against plain `generate`'s. Wall and device (CUDA events around the target's
+The shipped drafter's rates also run at fixed k on the target switched to `GQA_SDPA` (verification without copies of
+the key/value heads, which `sdpa` makes for every layer's cache at each masked multi-query forward). Every
+speculative output is checked against plain `generate`'s. Wall and device (CUDA events around the target's
 forwards) milliseconds per forward are reported side by side: where wall exceeds device, the host sets the pace.
 
     PYTHONPATH=src python examples/gpu_curve.py --output bench/qwen3_4b_shape_curve_h100   # CUDA (sized for < 12 min)
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from hf_specformer import generate
+from hf_specformer import GQA_SDPA, generate
 from hf_specformer.generation.acceptance import LOOKUP
 from hf_specformer.generation.proposers import OracleProposer, Proposal, SpecFormerProposer, WrappingProposer
 from hf_specformer.generation.scheduler import StepClock
@@ -132,14 +134,19 @@ def measure(target, drafter, batch_size: int, prompt_length: int, new_tokens: in
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     reference = target.generate(**kwargs)  # also the warm-up
     calls = {("plain generate", "-"): lambda: (target.generate(**kwargs), None)}
-    for setting, rates in acceptance_settings(3).items():
-        for schedule in ("goodput", "fixed"):
-            def call(rates=rates, schedule=schedule):
-                proposer = CorruptedOracle(SpecFormerProposer(drafter, 3), reference[:, prompt_length:], rates, vocab)
+    loaded = target.config._attn_implementation
+    variants = [(setting, schedule, "sdpa") for setting in acceptance_settings(3) for schedule in ("goodput", "fixed")]
+    for setting, schedule, attention in variants + [(next(iter(acceptance_settings(3))), "fixed", GQA_SDPA)]:
+        def call(rates=acceptance_settings(3)[setting], schedule=schedule, attention=attention):
+            proposer = CorruptedOracle(SpecFormerProposer(drafter, 3), reference[:, prompt_length:], rates, vocab)
+            target.set_attn_implementation(attention)
+            try:
                 output = generate(target, assistant_model=proposer, **kwargs, return_dict_in_generate=True,
                                   speculation_config={"schedule": schedule, "lookup_ngram_size": 0})
-                return output.sequences, output.speculation_stats
-            calls[setting, schedule] = call
+            finally:
+                target.set_attn_implementation(loaded)
+            return output.sequences, output.speculation_stats
+        calls[setting, schedule if attention == "sdpa" else f"{schedule}, {attention}"] = call
     clock, runs = ForwardClock(target), {name: [] for name in calls}
     try:
         for round_index in range(rounds):
@@ -209,8 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     for batch_size in args.batch_sizes:
-        report["results"] += measure(target, drafter, batch_size, args.prompt_length, args.new_tokens, args.rounds)
-        for row in report["results"][-7:]:
+        rows = measure(target, drafter, batch_size, args.prompt_length, args.new_tokens, args.rounds)
+        report["results"] += rows
+        for row in rows:
             print(f"B={batch_size} {row['call']} [{row['schedule']}]: {row['speedup']:.2f}x, kappa "
                   f"{row['kappa'] or 1:.2f}, wall {row['wall_ms_per_forward']:.1f} / device "
                   f"{row['device_ms_per_forward']:.1f} ms per forward, {row['rows_differing']} rows differ",

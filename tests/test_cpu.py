@@ -1,5 +1,5 @@
 """The CPU backend (`cpu_products`): its products compute the layers' own functions, packed inputs equal the full
-forward where they are kept, its attention equals the target's, plain and speculative `generate` under it equal
+forward where they are kept, its attention is `GQA_SDPA` for the block, plain and speculative `generate` under it equal
 plain `generate`, and every model is its own again after the block, also on errors."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from torch import nn
 
 from hf_specformer import cpu_products
 import hf_specformer.cpu as cpu
-from hf_specformer.cpu import FEW_HEAD_ROWS, FEW_ROWS, GQA_SDPA, PACKED_QUERY_LIMIT, padded_rows, transposed_linear
+from hf_specformer.attention import GQA_SDPA
+from hf_specformer.cpu import FEW_HEAD_ROWS, FEW_ROWS, padded_rows, transposed_linear
 
 pytestmark = CPU_ONLY
 DOUBLE = {"dtype": torch.float64}
@@ -114,36 +115,6 @@ def test_inputs_masked_out_are_skipped_and_the_kept_ones_equal_the_full_forward(
         for ours, theirs in zip(output.hidden_states[1:], full.hidden_states[1:]):
             torch.testing.assert_close(ours[kept], theirs[kept], rtol=1e-10, atol=1e-10)
         assert (output.logits[~kept] == 0).all()
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("num_queries", [2, PACKED_QUERY_LIMIT, PACKED_QUERY_LIMIT + 1])
-def test_masked_multi_query_attention_is_the_targets_own(kind, num_queries, monkeypatch):
-    """Padded rows, a cache, several new queries per row: the target's own logits, with SDPA on grouped heads
-    (queries packed per key/value head up to `PACKED_QUERY_LIMIT`, `enable_gqa` beyond) and never on repeated
-    key/value heads."""
-    target = make_target(kind)
-    target.set_attn_implementation("sdpa")
-    input_ids, mask = make_batch(4, seed=1, min_len=num_queries + 2, max_len=num_queries + 8)
-    with torch.no_grad():
-        prefix = target(input_ids[:, :-num_queries], attention_mask=mask[:, :-num_queries], use_cache=True).cache
-        reference = target(input_ids[:, -num_queries:], attention_mask=mask, cache=prefix).logits
-        prefix.crop(-num_queries)
-        heads_seen = []
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                            lambda q, k, v, **kw: heads_seen.append((q.shape[1:3], k.shape[1], kw.get("enable_gqa")))
-                            or sdpa(q, k, v, **kw))
-        with cpu_products(target):
-            assert target.config._attn_implementation == GQA_SDPA
-            logits = target(input_ids[:, -num_queries:], attention_mask=mask, cache=prefix).logits
-    assert target.config._attn_implementation == "sdpa"
-    config = target.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    expected = ((kv_heads, heads // kv_heads * num_queries), kv_heads, None) if num_queries <= PACKED_QUERY_LIMIT \
-        else ((heads, num_queries), kv_heads, True)
-    assert heads_seen == [expected] * config.num_hidden_layers
-    torch.testing.assert_close(logits, reference, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

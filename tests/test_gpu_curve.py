@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_specformer import generate
+from hf_specformer import GQA_SDPA, generate
 from hf_specformer.generation.proposers import SpecFormerProposer
 from hf_specformer.models import SpecFormerConfig, SpecFormerForDrafting
 
@@ -59,5 +59,6 @@ def test_the_script_writes_its_report(curve, tmp_path):
                          "--new-tokens", "8", "--rounds", "1", "--output", str(tmp_path / "curve")])
     written = json.loads((tmp_path / "curve.json").read_text())
     assert (tmp_path / "curve.png").exists() and written["results"] == report["results"]
-    assert len(written["results"]) == 7 and all(row["rows_differing"] == 0 for row in written["results"])
+    assert len(written["results"]) == 8 and all(row["rows_differing"] == 0 for row in written["results"])
     assert {row["call"] for row in written["results"]} == {"plain generate", *curve.acceptance_settings(3)}
+    assert written["results"][-1]["schedule"] == f"fixed, {GQA_SDPA}"

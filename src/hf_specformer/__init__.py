@@ -1,5 +1,6 @@
 """hf-specformer: SpecFormer drafters and batched, lossless speculative decoding for Hugging Face transformers."""
 
+from .attention import GQA_SDPA
 from .cpu import cpu_products
 from .generation import (
     OracleProposer,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompanionConfig",
+    "GQA_SDPA",
     "CompanionForVerification",
     "OracleProposer",
     "PromptLookupProposer",

@@ -8,9 +8,9 @@ On some CPUs MKL computes a few-row `nn.Linear` (`x @ W^T`) with a packing pass 
 where `W @ x^T` streams it once; on others it does not. Up to `FEW_ROWS` rows (`FEW_HEAD_ROWS` for the head) a layer
 runs as `W @ x^T` where that was timed faster for its shape on this CPU (`transposed_is_faster`). Inputs whose mask
 column is 0 (left padding, drafts a step does not verify) are skipped (SV's packed verification, arXiv 2509.24328
-section 6), and masked grouped-query attention runs without copying the key/value heads. Outputs equal the models'
-own up to summation order; only float32/float64 `nn.Linear` layers on the CPU change, and everything is restored on
-exit.
+section 6), and `sdpa` attention runs as `attention.GQA_SDPA` (no copies of the key/value heads). Outputs equal the
+models' own up to summation order; only float32/float64 `nn.Linear` layers on the CPU change, and everything is
+restored on exit.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from functools import partial
 import numpy as np
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .attention import GQA_SDPA
 
 FEW_ROWS = 32
 """Up to this many input rows (leading dimensions flattened) a linear layer runs as W @ x^T."""
@@ -34,12 +33,6 @@ FEW_HEAD_ROWS = 128
 
 CHOICE_MARGIN = 0.9
 """A shape runs as W @ x^T only where that took at most this share of x @ W^T's time (a margin over timing noise)."""
-
-PACKED_QUERY_LIMIT = 8
-"""Up to this many queries per row, each key/value head's queries are packed into one sequence."""
-
-GQA_SDPA = "hf_specformer_gqa_sdpa"
-"""The name the attention function is registered under with `transformers`' attention and mask interfaces."""
 
 
 def padded_rows(rows: int) -> int:
@@ -60,31 +53,6 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     transposed = product.T.contiguous() if product.requires_grad else torch.from_numpy(
         np.ascontiguousarray(product.numpy().T))
     return transposed.view(*x.shape[:-1], weight.shape[0])
-
-
-def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                               **kwargs):
-    """`sdpa_attention_forward` with masked grouped-query attention on the CPU: query `[B, H, T, D]`, key and value
-    `[B, H_kv, S, D]`, mask `[B, 1, T, S]` -> `[B, T, H, D]`."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    delegated = any(kwargs.get(name) for name in ("softcap", "position_bias", "output_attentions"))
-    if groups == 1 or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu" or delegated:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    batch, heads, length, head_dim = query.shape
-    if length <= PACKED_QUERY_LIMIT and attention_mask.shape[1] == 1:
-        packed = query.reshape(batch, heads // groups, groups * length, head_dim)  # head h = g * groups + r
-        output = torch.nn.functional.scaled_dot_product_attention(
-            packed, key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling)
-        output = output.view(batch, heads, length, head_dim)
-    else:
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
-AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
 
 
 _TRANSPOSED_FASTER: dict = {}

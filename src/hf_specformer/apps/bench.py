@@ -12,7 +12,8 @@ low-precision tie or a bug, `ties.py`).
 
 `--host-overhead` measures what the loop costs the host, on a tiny random Llama (4 layers, hidden 64, vocabulary
 1,024, float32, one thread), where a forward's time is nearly all Python and dispatch, as a GPU's small-batch step
-is: perfect drafts (`OracleProposer`, fixed k = 3), an engine whose proposer drafts nothing, and k = 0, against plain
+is: perfect drafts (`OracleProposer`, fixed k = 3; also on the target loaded with `attention.GQA_SDPA`, which
+verifies without copying key/value heads), an engine whose proposer drafts nothing, and k = 0, against plain
 `generate`, with each call's time per forward split into the target's forward, drafting and the rest.
 
 Writes `<output>.json` and `<output>.png`. The commands behind the reports in `bench/` are in docs/results.md.
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..attention import GQA_SDPA
 from ..cpu import cpu_products
 from ..data.prompts import bench_prompts, chat_batches
 from ..generation import OracleProposer, Proposal, Proposer, generate
@@ -197,11 +199,12 @@ def tiny_target(seed: int = 0):
 
 
 def host_overhead(batch_sizes: list[int], new_tokens: int = 64, prompt_length: int = 32, repeats: int = 15) -> list:
-    """Per batch size: plain `generate`, perfect drafts (k = 3), an engine proposing nothing, and k = 0, alternated
-    `repeats` times in shuffled orders; medians of each call's seconds, its time per target forward and the share of
-    each phase."""
+    """Per batch size: plain `generate`, perfect drafts (k = 3; also on the target loaded with `GQA_SDPA`), an engine
+    proposing nothing, and k = 0, alternated `repeats` times in shuffled orders; medians of each call's seconds, its
+    time per target forward and the share of each phase."""
     torch.set_num_threads(1)
-    target = tiny_target()
+    target, grouped = tiny_target(), tiny_target()
+    grouped.set_attn_implementation(GQA_SDPA)
     rows = []
     for batch_size in batch_sizes:
         ids = torch.randint(3, 1000, (batch_size, prompt_length), generator=torch.Generator().manual_seed(batch_size))
@@ -209,20 +212,24 @@ def host_overhead(batch_sizes: list[int], new_tokens: int = 64, prompt_length: i
                       min_new_tokens=new_tokens, do_sample=False)
         reference = target.generate(**kwargs)
         oracle, nothing = OracleProposer(reference[:, prompt_length:], 3, 1024, 0), ProposesNothing(3)
+        fixed = {"schedule": "fixed", "lookup_ngram_size": 0}
         calls = {
-            "plain generate": (lambda: target.generate(**kwargs), None),
-            "perfect drafts, k = 3": (lambda: generate(target, assistant_model=oracle, **kwargs, speculation_config={
-                "schedule": "fixed", "lookup_ngram_size": 0}), oracle),
-            "engine, no drafts": (lambda: generate(target, assistant_model=nothing, **kwargs, speculation_config={
-                "schedule": "fixed", "lookup_ngram_size": 0}), None),
-            "k = 0": (lambda: generate(target, assistant_model=oracle, num_assistant_tokens=0, **kwargs), None),
+            "plain generate": (lambda: target.generate(**kwargs), target, None),
+            "perfect drafts, k = 3": (lambda: generate(target, assistant_model=oracle, **kwargs,
+                                                       speculation_config=fixed), target, oracle),
+            "perfect drafts, k = 3, GQA_SDPA": (lambda: generate(grouped, assistant_model=oracle, **kwargs,
+                                                                  speculation_config=fixed), grouped, oracle),
+            "engine, no drafts": (lambda: generate(target, assistant_model=nothing, **kwargs,
+                                                   speculation_config=fixed), target, None),
+            "k = 0": (lambda: generate(target, assistant_model=oracle, num_assistant_tokens=0, **kwargs), target,
+                      None),
         }
         measured, order = {name: [] for name in calls}, list(calls)
         for repeat in range(repeats):
             random.Random(repeat).shuffle(order)  # a new order each time: no call always follows the same one
             for name in order:
-                call, proposer = calls[name]
-                timer = PhaseTimer(target, proposer)
+                call, model, proposer = calls[name]
+                timer = PhaseTimer(model, proposer)
                 try:
                     output, seconds = timed(call, "cpu")
                 finally:
@@ -257,7 +264,8 @@ def plot(rows: list[dict], path: Path, host: bool) -> None:
         for size in sizes:
             for call in calls:
                 row = next(r for r in rows if r["call"] == call and r["batch_size"] == size)
-                labels.append(f"B={size}\n{call}\n{row['speedup']:.2f}x")
+                name = call.replace(", ", "\n")
+                labels.append(f"B={size}\n{name}\n{row['speedup']:.2f}x")
                 bottoms.append(row)
         base = [0.0] * len(bottoms)
         for phase, colour in (("ms_target_forward", "tab:blue"), ("ms_drafting", "tab:orange"), ("ms_rest", "grey")):

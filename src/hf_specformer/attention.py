@@ -1,0 +1,50 @@
+"""Grouped-query attention that reads each key/value head once, for targets loaded with `attn_implementation=GQA_SDPA`.
+
+For several queries per row under a mask (a verification step), `transformers`' `sdpa` copies every layer's whole
+cache H / H_kv times (`repeat_kv`). Here each key/value head's queries are packed into one sequence instead
+(`[B, H, T, D]` -> `[B, H_kv, (H / H_kv) T, D]`, the mask repeated to match), as `transformers` does for one query;
+beyond `PACKED_QUERY_LIMIT` queries (a prefill) the CPU takes the mask and the grouped heads directly (`enable_gqa`)
+and other devices run `transformers`' own function. Outputs equal `sdpa`'s up to summation order.
+
+    target = AutoModelForCausalLM.from_pretrained(name, attn_implementation=hf_specformer.GQA_SDPA)
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+GQA_SDPA = "hf_specformer_gqa_sdpa"
+"""The name the attention function is registered under with `transformers`' attention and mask interfaces."""
+
+PACKED_QUERY_LIMIT = 8
+"""Up to this many queries per row, each key/value head's queries are packed into one sequence."""
+
+
+def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                               **kwargs):
+    """`sdpa_attention_forward` without copies of the key/value heads under a mask: query `[B, H, T, D]`, key and
+    value `[B, H_kv, S, D]`, mask `[B, 1, T, S]` -> `[B, T, H, D]`."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    delegated = any(kwargs.get(name) for name in ("softcap", "position_bias", "output_attentions"))
+    batch, heads, length, head_dim = query.shape
+    packed = length <= PACKED_QUERY_LIMIT and attention_mask is not None and attention_mask.shape[1] == 1
+    if groups == 1 or attention_mask is None or length == 1 or delegated or \
+            not (packed or query.device.type == "cpu"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if packed:
+        query = query.reshape(batch, heads // groups, groups * length, head_dim)  # head h = g * groups + r
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling)
+        output = output.view(batch, heads, length, head_dim)
+    else:
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
+AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)

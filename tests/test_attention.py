@@ -1,0 +1,67 @@
+"""`GQA_SDPA`: a target loaded with it computes its own logits under a mask with several queries per row, without
+copying key/value heads, and speculative `generate` on it equals plain `generate` (on `TEST_DEVICE`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TEST_DEVICE, make_drafter, make_target
+from generation.helpers import PAD, make_batch
+
+from hf_specformer import GQA_SDPA, generate
+from hf_specformer.attention import PACKED_QUERY_LIMIT
+
+
+def _loaded_with(target, attn_implementation: str):
+    """A copy of `target` that uses `attn_implementation` (as `from_pretrained(..., attn_implementation=)` loads)."""
+    copy = type(target)(target.config).to(device=target.device, dtype=target.dtype).eval()
+    copy.load_state_dict(target.state_dict())
+    copy.set_attn_implementation(attn_implementation)
+    return copy.requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("num_queries", [2, PACKED_QUERY_LIMIT, PACKED_QUERY_LIMIT + 1])
+def test_masked_multi_query_attention_is_the_targets_own(kind, num_queries, monkeypatch):
+    """Padded rows, a cache, several new queries per row: the `sdpa` target's logits, with SDPA on grouped heads
+    (queries packed per key/value head up to `PACKED_QUERY_LIMIT`; beyond it `enable_gqa` on the CPU, `sdpa`'s own
+    function elsewhere)."""
+    target = make_target(kind)
+    target.set_attn_implementation("sdpa")
+    grouped = _loaded_with(target, GQA_SDPA)
+    input_ids, mask = make_batch(4, seed=1, min_len=num_queries + 2, max_len=num_queries + 8)
+    with torch.no_grad():
+        prefix = target(input_ids[:, :-num_queries], attention_mask=mask[:, :-num_queries], use_cache=True).cache
+        reference = target(input_ids[:, -num_queries:], attention_mask=mask, cache=prefix).logits
+        prefix.crop(-num_queries)
+        heads_seen = []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            lambda q, k, v, **kw: heads_seen.append((q.shape[1:3], k.shape[1], kw.get("enable_gqa")))
+                            or sdpa(q, k, v, **kw))
+        logits = grouped(input_ids[:, -num_queries:], attention_mask=mask, cache=prefix).logits
+    config = target.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if num_queries <= PACKED_QUERY_LIMIT:
+        expected = ((kv_heads, heads // kv_heads * num_queries), kv_heads, None)
+    else:
+        expected = ((heads, num_queries), kv_heads, True) if TEST_DEVICE.type == "cpu" else \
+            ((heads, num_queries), heads, None)
+    assert heads_seen == [expected] * config.num_hidden_layers
+    torch.testing.assert_close(logits, reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_speculative_generate_on_a_target_loaded_with_it_equals_plain_generate(kind, batch_size):
+    target = make_target(kind)
+    target.set_attn_implementation("sdpa")
+    grouped = _loaded_with(target, GQA_SDPA)
+    input_ids, mask = make_batch(batch_size, seed=3, padded=batch_size > 1)
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    reference = target.generate(**kwargs)
+    assert torch.equal(grouped.generate(**kwargs), reference)
+    output = generate(grouped, assistant_model=make_drafter(grouped), **kwargs, return_dict_in_generate=True,
+                      speculation_config={"schedule": "fixed"})
+    assert torch.equal(output.sequences, reference)
+    assert output.speculation_stats.drafted > 0
