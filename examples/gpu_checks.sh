@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in one run (about 3 minutes on an H100):
-#   1. the engine's and GQA_SDPA's equality tests with the tiny float64 models on CUDA (HF_SPECFORMER_TEST_DEVICE=cuda);
+#   1. the engine's and GQA_SDPA's equality tests with the tiny float64 models on CUDA
+#      (HF_SPECFORMER_TEST_DEVICE=cuda);
 #   2. the `gpu`-marked tests: Triton kernels compiled for the device, and the loop's waits under sync debug mode;
 #   3. the host-overhead bench, and the bench on a random-weight model of SmolLM2's shape in bfloat16 (timings only:
 #      an oracle and an untrained drafter), for hosts where the GGUF file cannot be brought.
@@ -10,8 +11,8 @@ cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_checks}
 mkdir -p "$out" "$out/smollm2-shape"
 export PYTHONUNBUFFERED=1
-HF_SPECFORMER_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q --tb=short -n 8 tests/generation tests/test_attention.py \
-  2>&1 | tee "$out/cuda_equality.log" | tail -3
+HF_SPECFORMER_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q --tb=short -n 8 \
+  tests/generation tests/test_attention.py 2>&1 | tee "$out/cuda_equality.log" | tail -3
 python3 -m pytest -p no:cacheprovider -q --tb=short -m gpu tests 2>&1 | tee "$out/gpu_marker.log" | tail -3
 hf-specformer bench --host-overhead --output "$out/host_overhead_cuda"
 python3 - "$out/smollm2-shape" <<'PY'

@@ -134,10 +134,10 @@ def measure(target, drafter, batch_size: int, prompt_length: int, new_tokens: in
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     reference = target.generate(**kwargs)  # also the warm-up
     calls = {("plain generate", "-"): lambda: (target.generate(**kwargs), None)}
-    loaded = target.config._attn_implementation
-    variants = [(setting, schedule, "sdpa") for setting in acceptance_settings(3) for schedule in ("goodput", "fixed")]
-    for setting, schedule, attention in variants + [(next(iter(acceptance_settings(3))), "fixed", GQA_SDPA)]:
-        def call(rates=acceptance_settings(3)[setting], schedule=schedule, attention=attention):
+    loaded, settings = target.config._attn_implementation, acceptance_settings(3)
+    variants = [(setting, schedule, "sdpa") for setting in settings for schedule in ("goodput", "fixed")]
+    for setting, schedule, attention in variants + [(next(iter(settings)), "fixed", GQA_SDPA)]:
+        def call(rates=settings[setting], schedule=schedule, attention=attention):
             proposer = CorruptedOracle(SpecFormerProposer(drafter, 3), reference[:, prompt_length:], rates, vocab)
             target.set_attn_implementation(attention)
             try:

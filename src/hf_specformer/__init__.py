@@ -35,8 +35,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompanionConfig",
-    "GQA_SDPA",
     "CompanionForVerification",
+    "GQA_SDPA",
     "OracleProposer",
     "PromptLookupProposer",
     "Proposal",

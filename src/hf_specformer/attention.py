@@ -30,19 +30,18 @@ def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropou
     groups = getattr(module, "num_key_value_groups", 1)
     delegated = any(kwargs.get(name) for name in ("softcap", "position_bias", "output_attentions"))
     batch, heads, length, head_dim = query.shape
-    packed = length <= PACKED_QUERY_LIMIT and attention_mask is not None and attention_mask.shape[1] == 1
-    if groups == 1 or attention_mask is None or length == 1 or delegated or \
-            not (packed or query.device.type == "cpu"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    if packed:
+    masked_multi_query = groups > 1 and attention_mask is not None and length > 1 and not delegated
+    if masked_multi_query and length <= PACKED_QUERY_LIMIT and attention_mask.shape[1] == 1:
         query = query.reshape(batch, heads // groups, groups * length, head_dim)  # head h = g * groups + r
         output = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling)
         output = output.view(batch, heads, length, head_dim)
-    else:
+    elif masked_multi_query and query.device.type == "cpu":
         output = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    else:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
     return output.transpose(1, 2).contiguous(), None
 
 
