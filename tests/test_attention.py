@@ -1,5 +1,6 @@
 """`GQA_SDPA`: a target loaded with it computes its own logits under a mask with several queries per row, without
-copying key/value heads, and speculative `generate` on it equals plain `generate` (on `TEST_DEVICE`)."""
+copying key/value heads, packed queries attend as repeated heads, and speculative `generate` on it equals plain
+`generate` (on `TEST_DEVICE`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from conftest import TEST_DEVICE, make_drafter, make_target
 from generation.helpers import PAD, make_batch
 
 from hf_specformer import GQA_SDPA, generate
-from hf_specformer.attention import PACKED_QUERY_LIMIT
+from hf_specformer.attention import PACKED_QUERY_LIMIT, packed_query_attention
 
 
 def _loaded_with(target, attn_implementation: str):
@@ -24,8 +25,8 @@ def _loaded_with(target, attn_implementation: str):
 @pytest.mark.parametrize("num_queries", [2, PACKED_QUERY_LIMIT, PACKED_QUERY_LIMIT + 1])
 def test_masked_multi_query_attention_is_the_targets_own(kind, num_queries, monkeypatch):
     """Padded rows, a cache, several new queries per row: the `sdpa` target's logits, with SDPA on grouped heads
-    (queries packed per key/value head up to `PACKED_QUERY_LIMIT`; beyond it `enable_gqa` on the CPU, `sdpa`'s own
-    function elsewhere)."""
+    (`enable_gqa` on the CPU; elsewhere queries packed per key/value head up to `PACKED_QUERY_LIMIT`, beyond it
+    `sdpa`'s own function)."""
     target = make_target(kind)
     target.set_attn_implementation("sdpa")
     grouped = _loaded_with(target, GQA_SDPA)
@@ -42,13 +43,32 @@ def test_masked_multi_query_attention_is_the_targets_own(kind, num_queries, monk
         logits = grouped(input_ids[:, -num_queries:], attention_mask=mask, cache=prefix).logits
     config = target.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if num_queries <= PACKED_QUERY_LIMIT:
+    if TEST_DEVICE.type == "cpu":
+        expected = ((heads, num_queries), kv_heads, True)
+    elif num_queries <= PACKED_QUERY_LIMIT:
         expected = ((kv_heads, heads // kv_heads * num_queries), kv_heads, None)
     else:
-        expected = ((heads, num_queries), kv_heads, True) if TEST_DEVICE.type == "cpu" else \
-            ((heads, num_queries), heads, None)
+        expected = ((heads, num_queries), heads, None)
     assert heads_seen == [expected] * config.num_hidden_layers
     torch.testing.assert_close(logits, reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4, PACKED_QUERY_LIMIT])
+def test_packed_queries_attend_as_repeated_key_value_heads(num_queries):
+    """The packing that serves other devices than the CPU, on `TEST_DEVICE`: each query head attends to its own
+    key/value head under the mask's rows, as `sdpa` on repeated heads."""
+    generator = torch.Generator().manual_seed(num_queries)
+    batch, heads, kv_heads, columns, dim = 3, 6, 2, 11, 8
+    query, key, value = (torch.randn(batch, h, n, dim, generator=generator, dtype=torch.float64).to(TEST_DEVICE)
+                         for h, n in ((heads, num_queries), (kv_heads, columns), (kv_heads, columns)))
+    hidden = torch.rand(batch, 1, num_queries, columns, generator=generator) < 0.3
+    hidden[..., 0] = False  # every query sees a column
+    mask = torch.zeros(hidden.shape, dtype=torch.float64).masked_fill(hidden, torch.finfo(torch.float64).min)
+    mask = mask.to(TEST_DEVICE)
+    repeated = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value)]
+    expected = torch.nn.functional.scaled_dot_product_attention(query, *repeated, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(packed_query_attention(query, key, value, mask, scaling=0.3), expected,
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -1,10 +1,11 @@
 """Grouped-query attention that reads each key/value head once, for targets loaded with `attn_implementation=GQA_SDPA`.
 
 For several queries per row under a mask (a verification step), `transformers`' `sdpa` copies every layer's whole
-cache H / H_kv times (`repeat_kv`). Here each key/value head's queries are packed into one sequence instead
-(`[B, H, T, D]` -> `[B, H_kv, (H / H_kv) T, D]`, the mask repeated to match), as `transformers` does for one query;
-beyond `PACKED_QUERY_LIMIT` queries (a prefill) the CPU takes the mask and the grouped heads directly (`enable_gqa`)
-and other devices run `transformers`' own function. Outputs equal `sdpa`'s up to summation order.
+cache H / H_kv times (`repeat_kv`). Here the CPU's kernel takes the mask and the grouped heads directly
+(`enable_gqa`); on other devices, where a masked `enable_gqa` falls back to the math kernel, up to
+`PACKED_QUERY_LIMIT` queries per row (a verification step) each key/value head's queries are packed into one sequence
+(`[B, H, T, D]` -> `[B, H_kv, (H / H_kv) T, D]`, the mask repeated to match), as `transformers` does for one query,
+and longer blocks (a padded prefill) run `transformers`' own function. Outputs equal `sdpa`'s up to summation order.
 
     target = AutoModelForCausalLM.from_pretrained(name, attn_implementation=hf_specformer.GQA_SDPA)
 """
@@ -20,7 +21,7 @@ GQA_SDPA = "hf_specformer_gqa_sdpa"
 """The name the attention function is registered under with `transformers`' attention and mask interfaces."""
 
 PACKED_QUERY_LIMIT = 8
-"""Up to this many queries per row, each key/value head's queries are packed into one sequence."""
+"""Up to this many queries per row, each key/value head's queries are packed into one sequence (off the CPU)."""
 
 
 def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -29,20 +30,28 @@ def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropou
     value `[B, H_kv, S, D]`, mask `[B, 1, T, S]` -> `[B, T, H, D]`."""
     groups = getattr(module, "num_key_value_groups", 1)
     delegated = any(kwargs.get(name) for name in ("softcap", "position_bias", "output_attentions"))
-    batch, heads, length, head_dim = query.shape
+    length = query.shape[2]
     masked_multi_query = groups > 1 and attention_mask is not None and length > 1 and not delegated
-    if masked_multi_query and length <= PACKED_QUERY_LIMIT and attention_mask.shape[1] == 1:
-        query = query.reshape(batch, heads // groups, groups * length, head_dim)  # head h = g * groups + r
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling)
-        output = output.view(batch, heads, length, head_dim)
-    elif masked_multi_query and query.device.type == "cpu":
+    if masked_multi_query and query.device.type == "cpu":
         output = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    elif masked_multi_query and length <= PACKED_QUERY_LIMIT and attention_mask.shape[1] == 1:
+        output = packed_query_attention(query, key, value, attention_mask, dropout, scaling)
     else:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     return output.transpose(1, 2).contiguous(), None
+
+
+def packed_query_attention(query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None):
+    """Query `[B, H, T, D]`, key and value `[B, H_kv, S, D]`, mask `[B, 1, T, S]` -> `[B, H, T, D]`, with each key/value
+    head's queries packed into one sequence: query head h = g * H / H_kv + r at packed position r * T + t."""
+    batch, heads, length, head_dim = query.shape
+    groups = heads // key.shape[1]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, key.shape[1], groups * length, head_dim), key, value,
+        attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling)
+    return output.view(batch, heads, length, head_dim)
 
 
 AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
