@@ -4,6 +4,8 @@ copying key/value heads, packed queries attend as repeated heads, and speculativ
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import TEST_DEVICE, make_drafter, make_target
@@ -15,10 +17,11 @@ from hf_specformer.attention import PACKED_QUERY_LIMIT, packed_query_attention
 
 def _loaded_with(target, attn_implementation: str):
     """A copy of `target` that uses `attn_implementation` (as `from_pretrained(..., attn_implementation=)` loads)."""
-    copy = type(target)(target.config).to(device=target.device, dtype=target.dtype).eval()
-    copy.load_state_dict(target.state_dict())
-    copy.set_attn_implementation(attn_implementation)
-    return copy.requires_grad_(False)
+    loaded = type(target)(copy.deepcopy(target.config)).to(device=target.device, dtype=target.dtype).eval()
+    loaded.load_state_dict(target.state_dict())
+    loaded.set_attn_implementation(attn_implementation)
+    assert target.config._attn_implementation != attn_implementation, "the target's own config must stay as it was"
+    return loaded.requires_grad_(False)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -85,3 +88,20 @@ def test_speculative_generate_on_a_target_loaded_with_it_equals_plain_generate(k
                       speculation_config={"schedule": "fixed"})
     assert torch.equal(output.sequences, reference)
     assert output.speculation_stats.drafted > 0
+
+
+def test_a_speculative_call_on_an_sdpa_grouped_query_target_says_how_to_avoid_the_copies(monkeypatch):
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    from hf_specformer.generation import engine
+
+    monkeypatch.setattr(logging.logging.Logger, "warning_once", logging.logging.Logger.warning)  # not once per process
+    target = make_target("qwen3")
+    target.set_attn_implementation("sdpa")
+    input_ids, mask = make_batch(2, seed=4)
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=PAD)
+    for model, says in ((target, True), (_loaded_with(target, GQA_SDPA), False)):
+        with CaptureLogger(engine.logger) as captured:
+            generate(model, assistant_model=make_drafter(model), **kwargs)
+        assert ("attn_implementation='hf_specformer_gqa_sdpa'" in captured.out) == says

@@ -18,6 +18,7 @@ from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+from transformers.utils import logging
 
 from .acceptance import LOOKUP, NO_DRAFT, AcceptanceEstimator, AcceptanceTable, draft_features
 from .batch import Admissions, NewRow, RaggedBatch, RowFeed
@@ -28,6 +29,8 @@ from .speculation import SpeculationConfig
 from .stats import RowCounts, SpecStats
 from .tokens import Committer, RaggedLogitsProcessor, TokenSelector, pad_token_id
 from .verification import verify_greedy, verify_sampling
+
+logger = logging.get_logger(__name__)
 
 LEARNT_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """target -> {(proposer kind, k, companion, slots): StepCosts} the process's calls learnt: a call starts where the
@@ -171,6 +174,14 @@ def _mask_shape(model) -> str:
     return "float" if function in (sdpa_mask, eager_mask) else "2d"
 
 
+def _copies_key_value_heads(model) -> bool:
+    """Whether the target's attention is `sdpa` on grouped key/value heads, which it repeats for masked multi-query
+    forwards (`hf_specformer.attention`)."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    return model.config._attn_implementation == "sdpa" and (getattr(config, "num_key_value_heads", None) or heads) < heads
+
+
 def slot_bytes(model, proposer: Proposer, prompt_width: int, max_new_tokens: int) -> int:
     """Most bytes one decoding row takes: its cache columns (the target's and the proposer's), `VOCABULARY_COPIES`
     vocabulary-wide tensors per verified input, and the hidden states its prefill records."""
@@ -207,6 +218,11 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
                              speculative_streamer, row_finished, model_kwargs)
     if proposer.num_draft_tokens == 0:
         proposer, companion, speculation = NoDrafts(), None, dataclasses.replace(speculation, schedule="fixed")
+    elif _copies_key_value_heads(model):
+        logger.warning_once(
+            "This grouped-query target uses `sdpa`, which copies every layer's key/value heads in each verification "
+            "forward; load it with attn_implementation='hf_specformer_gqa_sdpa' (`hf_specformer.GQA_SDPA`, "
+            "registered when hf_specformer is imported) to verify without the copies.")
     k = proposer.num_draft_tokens
     if speculation.schedule == "goodput":
         table = acceptance_table or AcceptanceTable.uncalibrated("sv" if companion is not None else "confidence", k)
