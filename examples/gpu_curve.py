@@ -133,27 +133,25 @@ def measure(target, drafter, batch_size: int, prompt_length: int, new_tokens: in
     kwargs = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids, device=device),
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     reference = target.generate(**kwargs)  # also the warm-up
-    calls = {("plain generate", "-"): lambda: (target.generate(**kwargs), None)}
     loaded, settings = target.config._attn_implementation, acceptance_settings(3)
-    variants = [(setting, schedule, "sdpa") for setting in settings for schedule in ("goodput", "fixed")]
+    calls = {("plain generate", "-"): (loaded, lambda: (target.generate(**kwargs), None))}  # name -> (attention, call)
+    variants = [(setting, schedule, loaded) for setting in settings for schedule in ("goodput", "fixed")]
     for setting, schedule, attention in variants + [(next(iter(settings)), "fixed", GQA_SDPA)]:
-        def call(rates=settings[setting], schedule=schedule, attention=attention):
+        def call(rates=settings[setting], schedule=schedule):
             proposer = CorruptedOracle(SpecFormerProposer(drafter, 3), reference[:, prompt_length:], rates, vocab)
-            target.set_attn_implementation(attention)
-            try:
-                output = generate(target, assistant_model=proposer, **kwargs, return_dict_in_generate=True,
-                                  speculation_config={"schedule": schedule, "lookup_ngram_size": 0})
-            finally:
-                target.set_attn_implementation(loaded)
+            output = generate(target, assistant_model=proposer, **kwargs, return_dict_in_generate=True,
+                              speculation_config={"schedule": schedule, "lookup_ngram_size": 0})
             return output.sequences, output.speculation_stats
-        calls[setting, schedule if attention == "sdpa" else f"{schedule}, {attention}"] = call
+        calls[setting, schedule if attention == loaded else f"{schedule}, {attention}"] = (attention, call)
     clock, runs = ForwardClock(target), {name: [] for name in calls}
     try:
         for round_index in range(rounds):
             for name in (list(calls) if round_index % 2 == 0 else list(calls)[::-1]):
+                attention, call = calls[name]
+                target.set_attn_implementation(attention)  # outside the timed call
                 synchronize(device)
                 start = time.perf_counter()
-                sequences, stats = calls[name]()
+                sequences, stats = call()
                 synchronize(device)
                 seconds = time.perf_counter() - start
                 device_seconds, forwards = clock.total()
@@ -162,6 +160,7 @@ def measure(target, drafter, batch_size: int, prompt_length: int, new_tokens: in
                 runs[name].append((seconds, device_seconds / forwards, forwards, stats, differing))
     finally:
         clock.close()
+        target.set_attn_implementation(loaded)
     plain = statistics.median(run[0] for run in runs["plain generate", "-"])
     rows = []
     for (setting, schedule), measured in runs.items():

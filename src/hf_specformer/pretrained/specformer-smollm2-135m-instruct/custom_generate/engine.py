@@ -178,8 +178,8 @@ def _copies_key_value_heads(model) -> bool:
     """Whether the target's attention is `sdpa` on grouped key/value heads, which it repeats for masked multi-query
     forwards (`hf_specformer.attention`)."""
     config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    return model.config._attn_implementation == "sdpa" and (getattr(config, "num_key_value_heads", None) or heads) < heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return model.config._attn_implementation == "sdpa" and kv_heads < config.num_attention_heads
 
 
 def slot_bytes(model, proposer: Proposer, prompt_width: int, max_new_tokens: int) -> int:
