@@ -68,8 +68,9 @@ def test_each_row_is_reported_once_the_step_it_finishes(slots):
         assert [report.row for report in reports] != list(range(6))
 
 
-def test_rows_of_transformers_own_loop_are_reported_at_the_end():
-    """k = 0 runs transformers' loop: every row is reported after it, cut after its EOS."""
+def test_rows_without_drafts_are_reported_as_they_finish():
+    """k = 0 with a listener runs the engine's plain steps: each row is reported the step it ends, cut after its
+    EOS, with one step per token."""
     target = make_target()
     input_ids, mask = make_batch(3, seed=2)
     reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
@@ -78,10 +79,13 @@ def test_rows_of_transformers_own_loop_are_reported_at_the_end():
     output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=make_drafter(target),
                       num_assistant_tokens=0, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD,
                       row_finished=reports.append)
-    assert [report.row for report in reports] == [0, 1, 2]
-    for report, row in zip(reports, output[:, input_ids.shape[1]:].tolist()):
+    assert torch.equal(output, target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                               max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD))
+    assert reports[0].row == 1 and sorted(report.row for report in reports) == [0, 1, 2]
+    for report in reports:
+        row = output[report.row, input_ids.shape[1]:].tolist()
         end = row.index(eos) + 1 if eos in row else 12
-        assert report.tokens == row[:end] and report.accepted == 0
+        assert report.tokens == row[:end] and report.accepted == 0 and report.steps == end - 1
 
 
 def test_generate_batch_hands_over_outputs_as_they_finish_and_an_interruption_keeps_them():

@@ -213,9 +213,9 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
         raise ValueError("A call with a RowFeed needs speculation_config={'max_batch_size': ...}: rows keep coming.")
     rows = input_ids.shape[0] if feed is None else max(input_ids.shape[0], speculation.max_batch_size)
     slots = speculation.slots(rows, slot_bytes(model, proposer, width, max_new))
-    if proposer.num_draft_tokens == 0 and slots == input_ids.shape[0] and seeds is None and feed is None:
+    if proposer.num_draft_tokens == 0 and slots == input_ids.shape[0] and seeds is None and row_finished is None:
         return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                             speculative_streamer, row_finished, model_kwargs)
+                             speculative_streamer, model_kwargs)
     if proposer.num_draft_tokens == 0:
         proposer, companion, speculation = NoDrafts(), None, dataclasses.replace(speculation, schedule="fixed")
     elif _copies_key_value_heads(model):
@@ -580,28 +580,14 @@ def _new_caches(call: _Call, capacity: int, slots: int | None = None) -> list:
     return caches
 
 
-def _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, row_finished,
-                  model_kwargs):
-    """transformers' own decoding loop on its own cache, as plain `generate` runs it: a call without drafts."""
+def _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
+    """transformers' own decoding loop on its own cache, as plain `generate` runs it: a call without drafts whose rows
+    nobody waits for one by one."""
     output = GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                      streamer=streamer, **model_kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, input_ids.shape[1]:]
     stats = SpecStats(0, steps=generated.shape[1], row_steps=generated.numel(), width_counts=[generated.shape[1]])
-    if row_finished is not None:
-        eos = generation_config.eos_token_id
-        eos = set() if eos is None else set(torch.as_tensor(eos).flatten().tolist())
-        rows = RowCounts(input_ids.shape[0], row_finished)
-        tokens = [_until_end(row, eos, pad_token_id(generation_config)) for row in generated.tolist()]
-        rows.steps = [max(len(row) - 1, 0) for row in tokens]
-        rows.report(list(range(len(tokens))), tokens)
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences
-
-
-def _until_end(tokens: list[int], eos: set[int], pad: int) -> list[int]:
-    """A row of transformers' loop up to its first end-of-sequence token, else without its trailing padding."""
-    end = next((i + 1 for i, token in enumerate(tokens) if token in eos), None)
-    padding = next((i for i, token in enumerate(reversed(tokens)) if token != pad), len(tokens))
-    return tokens[:end] if end is not None else tokens[: len(tokens) - padding]
