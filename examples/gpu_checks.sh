@@ -4,7 +4,8 @@
 #      (HF_SPECFORMER_TEST_DEVICE=cuda);
 #   2. the `gpu`-marked tests: Triton kernels compiled for the device, and the loop's waits under sync debug mode;
 #   3. the host-overhead bench, and the bench on a random-weight model of SmolLM2's shape in bfloat16 (timings only:
-#      an oracle and an untrained drafter), for hosts where the GGUF file cannot be brought.
+#      an oracle and an untrained drafter), for hosts where the GGUF file cannot be brought;
+#   4. what a CUDA graph of the verification forward would save the host (examples/cuda_graph_verify.py, ~2 min).
 # Usage: bash examples/gpu_checks.sh [OUTPUT_DIR]   (needs pytest-xdist; writes logs, JSON and PNG to OUTPUT_DIR)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,3 +31,4 @@ PY
 hf-specformer bench --target "$out/smollm2-shape" --oracle --drafter untrained --schedules goodput \
   --dtype bfloat16 --device cuda --batch-sizes 1 16 64 --max-new-tokens 32 --min-rows 4 \
   --output "$out/smollm2_shape_random_cuda_bf16"
+python3 examples/cuda_graph_verify.py --output "$out/qwen3_4b_shape_graph_cuda"
