@@ -290,12 +290,12 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
 
         # 2. Forward each row's last committed token and the drafts it verifies through the target
         inputs = batch.positions[: width + 1]
-        step_ids = torch.cat([batch.tokens[batch.row_ids, batch.prefix_lengths() - 1, None],
-                              plan.draft_ids[:, :width]], dim=1)  # [B, w + 1]
+        last = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1, None]
+        step_ids = torch.cat([last, plan.draft_ids[:, :width]], dim=1) if width else last  # [B, w + 1]
         position_ids = batch.lengths[:, None] + inputs
         verified = width + 1 if num_drafts is None else inputs <= num_drafts[:, None]
-        mask = batch.step_mask(verified, call.mask_shape if width else "2d", dtype)
-        mask = None if not width and batch.min_length == batch.columns else mask  # one input, every column valid
+        unmasked = not width and batch.min_length == batch.columns  # one input, every column valid
+        mask = None if unmasked else batch.step_mask(verified, call.mask_shape if width else "2d", dtype)
         logits = target_forward(model, step_ids, mask, position_ids, caches[0])
 
         # 3. Verify: the accepted drafts and the target's correction or bonus token

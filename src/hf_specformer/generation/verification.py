@@ -70,6 +70,8 @@ def verify_greedy(
     if kernels is not None:
         return kernels.greedy_verification(draft_ids, target_scores, _num_drafts(draft_ids, num_drafts), EMPTY_SLOT)
     predictions = target_scores.argmax(dim=-1)  # [B, k + 1]
+    if not draft_ids.shape[1]:  # a plain step: nothing to accept
+        return predictions, predictions.new_zeros(predictions.shape[0])
     positions = torch.arange(predictions.shape[1], device=predictions.device)
     matches = draft_ids == predictions[:, :-1]
     if num_drafts is not None:
