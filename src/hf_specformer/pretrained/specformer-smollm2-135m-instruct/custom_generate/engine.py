@@ -305,8 +305,8 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
             call.estimator.observe(plan.features, plan.sources, num_accepted, drafts_verified)
 
         # 4. Commit: keep the accepted inputs' cache columns, append the tokens, end rows
-        committed = num_accepted + 1
-        batch.commit_cache(committed * ~batch.finished, width + 1)
+        committed = (num_accepted + 1).masked_fill_(batch.finished, 0)  # rows that had ended keep nothing
+        batch.commit_cache(committed, width + 1)
         batch.finished = call.commit(batch, tokens, committed)
         clock.lap()
 

@@ -177,18 +177,16 @@ class Committer:
         self.streamer = streamer
 
     def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
-        """tokens `[B, n]`, counts `[B]` (1..n) -> finished `[B]`; writes the kept tokens into `batch` (rows already
-        finished commit nothing)."""
+        """tokens `[B, n]`, counts `[B]` (at most n) -> finished `[B]`; writes the kept tokens into `batch` (rows
+        already finished commit nothing)."""
         offsets = batch.positions[: tokens.shape[1]]
         generated = batch.num_generated[batch.row_ids]
-        remaining = batch.max_new[batch.row_ids] - generated
-        finished = batch.finished | (counts >= remaining)
-        counts = torch.minimum(counts, remaining).masked_fill_(batch.finished, 0)
-        if self.eos_token_ids is not None:  # up to the first EOS (its count: the position after it)
+        limit = batch.max_new[batch.row_ids] - generated  # [B] tokens a row may take: its remaining new tokens,
+        if self.eos_token_ids is not None:  # and up to its first EOS (the count of the position after it)
             after = batch.positions[1: tokens.shape[1] + 1]
-            eos_end = torch.where(torch.isin(tokens, self.eos_token_ids), after, tokens.shape[1] + 1).amin(1)
-            finished |= eos_end <= counts
-            counts = torch.minimum(counts, eos_end)
+            limit = torch.where(torch.isin(tokens, self.eos_token_ids), after, limit[:, None]).amin(1)
+        finished = batch.finished | (counts >= limit)
+        counts = torch.minimum(counts, limit).masked_fill_(batch.finished, 0)
         if self.extra_criteria:
             batch.write(tokens)
             counts, finished = self._apply_extra_criteria(batch, counts, finished)
