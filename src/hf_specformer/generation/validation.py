@@ -24,8 +24,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 
 
 def resolved_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> tuple[GenerationConfig, dict]:
-    """The generation config `generate` will use (a copy, updated with `kwargs`) and the kwargs it does not take."""
-    config = copy.deepcopy(generation_config or model.generation_config)
+    """The generation config `generate` will use (a copy, updated with `kwargs`) and the kwargs it does not take. The
+    copy is shallow: `update` rebinds attributes, never changes the values they held."""
+    config = copy.copy(generation_config or model.generation_config)
     unused = config.update(**kwargs)
     return config, unused
 
