@@ -13,14 +13,13 @@ same token at every input. On the CPU (the script's test) the graph is left out.
     python examples/cuda_graph_verify.py --tiny --device cpu --batch-sizes 1 4 --output /tmp/graph
 """
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from gpu_curve import QWEN3_4B, TINY, peaked_target
+from gpu_curve import QWEN3_4B, TINY, peaked_target, save_figure, visit_arguments
 from transformers import DynamicCache, StaticCache
 
 from hf_specformer.generation.cache import PreallocatedCache
@@ -134,21 +133,13 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set(xlabel="batch size", ylabel="ms per verification forward", title="Verification forward: eager vs graph")
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, axis, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="report stem: writes STEM.json and STEM.png")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    parser.add_argument("--prompt-length", type=int, default=256)
+    parser = visit_arguments(__doc__.splitlines()[0])
     parser.add_argument("--inputs-per-row", type=int, default=4, help="T = k + 1")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 in float32 instead (checks the script)")
     args = parser.parse_args(argv)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     target = peaked_target(TINY if args.tiny else QWEN3_4B, args.device, dtype)

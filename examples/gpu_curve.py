@@ -190,21 +190,34 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set(xlabel="batch size", ylabel="speed-up over plain generate", title="Qwen3-4B shape: speculation vs plain")
+    save_figure(figure, axis, path)
+
+
+def save_figure(figure, axis, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def visit_arguments(description: str) -> argparse.ArgumentParser:
+    """The options of a GPU visit's scripts: the report's stem, the device, the batch sizes, the prompts' length, and
+    `--tiny` (a tiny Qwen3 in float32 instead: checks the script)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--output", required=True, help="report stem: writes STEM.json and STEM.png")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 in float32 instead (checks the script)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = visit_arguments(__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 in float32 instead (checks the script)")
     args = parser.parse_args(argv)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     target = peaked_target(TINY if args.tiny else QWEN3_4B, args.device, dtype)
