@@ -178,6 +178,8 @@ class RaggedBatch:
         `[B, S + T]`; "float": `[B, 1, T, S + T]`, causal among the new inputs, additive in `dtype` (what `sdpa` and
         `eager` take: `transformers` need not build it per forward, nor `sdpa` convert a boolean one per layer)."""
         start, num_inputs = self.columns, verified if isinstance(verified, int) else verified.shape[1]
+        if shape == "float" and isinstance(verified, int) and self.min_length == start:  # no holes: causal alone
+            return self._causal(num_inputs, dtype)[:, -start - num_inputs:].expand(self.size, 1, -1, -1)
         self.valid[: self.size, start : start + num_inputs] = 1 if isinstance(verified, int) else verified
         mask = self.valid[: self.size, : start + num_inputs]
         if shape == "2d":
