@@ -176,7 +176,8 @@ class RaggedBatch:
         """The forward's mask: the cache's validity, then 1 at the T new inputs a row verifies (`verified` `[B, T]`,
         or T: every row verifies all; the others are never read, so no input need attend to them). `shape` "2d":
         `[B, S + T]`; "float": `[B, 1, T, S + T]`, causal among the new inputs, additive in `dtype` (what `sdpa` and
-        `eager` take: `transformers` need not build it per forward, nor `sdpa` convert a boolean one per layer)."""
+        `eager` take: `transformers` need not build it per forward, nor `sdpa` convert a boolean one per layer); with
+        no holes and T for every row, the causal pattern alone."""
         start, num_inputs = self.columns, verified if isinstance(verified, int) else verified.shape[1]
         if shape == "float" and isinstance(verified, int) and self.min_length == start:  # no holes: causal alone
             return self._causal(num_inputs, dtype)[:, -start - num_inputs:].expand(self.size, 1, -1, -1)
