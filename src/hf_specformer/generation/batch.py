@@ -176,11 +176,12 @@ class RaggedBatch:
         """The forward's mask: the cache's validity, then 1 at the T new inputs a row verifies (`verified` `[B, T]`,
         or T: every row verifies all; the others are never read, so no input need attend to them). `shape` "2d":
         `[B, S + T]`; "float": `[B, 1, T, S + T]`, causal among the new inputs, additive in `dtype` (what `sdpa` and
-        `eager` take: `transformers` need not build it per forward, nor `sdpa` convert a boolean one per layer); with
-        no holes and T for every row, the causal pattern alone."""
+        `eager` take: `transformers` need not build it per forward, nor `sdpa` convert a boolean one per layer). With
+        no holes and T for every row: None for one input (every column valid), else the causal pattern alone."""
         start, num_inputs = self.columns, verified if isinstance(verified, int) else verified.shape[1]
-        if shape == "float" and isinstance(verified, int) and self.min_length == start:  # no holes: causal alone
-            return self._causal(num_inputs, dtype)[:, -start - num_inputs:].expand(self.size, 1, -1, -1)
+        if isinstance(verified, int) and self.min_length == start and (num_inputs == 1 or shape == "float"):
+            return None if num_inputs == 1 else \
+                self._causal(num_inputs, dtype)[:, -start - num_inputs:].expand(self.size, 1, -1, -1)
         self.valid[: self.size, start : start + num_inputs] = 1 if isinstance(verified, int) else verified
         mask = self.valid[: self.size, : start + num_inputs]
         if shape == "2d":

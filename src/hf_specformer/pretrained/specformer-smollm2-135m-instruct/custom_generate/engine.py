@@ -294,8 +294,7 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         step_ids = torch.cat([last, plan.draft_ids[:, :width]], dim=1) if width else last  # [B, w + 1]
         position_ids = batch.lengths[:, None] + inputs
         verified = width + 1 if num_drafts is None else inputs <= num_drafts[:, None]
-        unmasked = not width and batch.min_length == batch.columns  # one input, every column valid
-        mask = None if unmasked else batch.step_mask(verified, call.mask_shape if width else "2d", dtype)
+        mask = batch.step_mask(verified, call.mask_shape if width else "2d", dtype)
         logits = target_forward(model, step_ids, mask, position_ids, caches[0])
 
         # 3. Verify: the accepted drafts and the target's correction or bonus token
