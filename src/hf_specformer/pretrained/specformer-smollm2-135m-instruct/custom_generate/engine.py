@@ -50,8 +50,9 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 
 @dataclass
 class StepPlan:
-    """The next step's drafts per active row, made right after the last forward (`[B, 0]`: nothing proposed)."""
+    """The next step's inputs per active row, made right after the last forward (drafts `[B, 0]`: none proposed)."""
 
+    last_ids: torch.LongTensor  # [B, 1] each row's last committed token, the step's first input
     draft_ids: torch.LongTensor  # [B, k] drafts (scratch after each row's prefix where a processor reads it)
     sources: torch.LongTensor  # [B, k] DRAFTER, LOOKUP or NO_DRAFT
     draft_probs: torch.Tensor | None  # [B, k, V] processed distributions of the network's drafts (for sampling)
@@ -61,12 +62,12 @@ class StepPlan:
     drafted: bool = False  # the drafter's network made these drafts
 
     @classmethod
-    def plain(cls, batch_size: int, device) -> "StepPlan":
-        none = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-        return cls(none, none, None, None, None)
+    def plain(cls, last_ids: torch.LongTensor) -> "StepPlan":
+        none = last_ids.new_zeros(last_ids.shape[0], 0)
+        return cls(last_ids, none, none, None, None, None)
 
     def _tensors(self) -> list:
-        return [self.draft_ids, self.sources, self.draft_probs, self.features, self.scores, self.free]
+        return [self.last_ids, self.draft_ids, self.sources, self.draft_probs, self.features, self.scores, self.free]
 
     def select(self, keep: list[int]) -> "StepPlan":
         """The plan of the active rows `keep` (host indices)."""
@@ -77,8 +78,8 @@ class StepPlan:
         """This plan's rows, then `other`'s; drafts one lacks are no drafts (scores 0)."""
         width = max(self.draft_ids.shape[1], other.draft_ids.shape[1])
         sizes = [len(self.draft_ids), len(other.draft_ids)]
-        joined = []
-        for pair in zip(self._tensors(), other._tensors()):
+        joined = [torch.cat([self.last_ids, other.last_ids])]
+        for pair in zip(self._tensors()[1:], other._tensors()[1:]):
             like = next((t for t in pair if t is not None), None)
             if like is None:
                 joined.append(None)
@@ -290,8 +291,7 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
 
         # 2. Forward each row's last committed token and the drafts it verifies through the target
         inputs = batch.positions[: width + 1]
-        last = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1, None]
-        step_ids = torch.cat([last, plan.draft_ids[:, :width]], dim=1) if width else last  # [B, w + 1]
+        step_ids = torch.cat([plan.last_ids, plan.draft_ids[:, :width]], dim=1) if width else plan.last_ids  # [B, w+1]
         position_ids = batch.lengths[:, None] + inputs
         verified = width + 1 if num_drafts is None else inputs <= num_drafts[:, None]
         mask = batch.step_mask(verified, call.mask_shape if width else "2d", dtype)
@@ -313,7 +313,7 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         draft, free = schedule.wants(batch.size)
         proposal = proposer.propose(batch, TargetStep(tuple(call.states), position_ids, num_accepted), caches[1:],
                                     draft, free)
-        next_plan = _plan(call, batch, proposal, num_accepted)
+        next_plan = _plan(call, batch, proposal, num_accepted, tokens.gather(1, num_accepted[:, None]))
 
         # 6. Read the step's outcome to the host: its one read
         result = _read(call, batch, next_plan, num_accepted, width + 1)
@@ -348,11 +348,11 @@ def _verify(call: _Call, batch: RaggedBatch, plan: StepPlan, logits, num_drafts,
     return verify_sampling(drafts, q, scores.softmax(-1), num_drafts, kernel_backend=backend)
 
 
-def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted) -> StepPlan:
-    """A proposal -> the plan of the next step: draft tokens (processed, argmax or sampled; fixed drafts in place),
-    and the scores the schedule chooses from."""
+def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted, last_ids) -> StepPlan:
+    """A proposal -> the plan of the next step after the committed `last_ids` `[B, 1]` (a finished row's: any token):
+    draft tokens (processed, argmax or sampled; fixed drafts in place), and the scores the schedule chooses from."""
     if proposal.empty:
-        return StepPlan.plain(batch.size, batch.tokens.device)
+        return StepPlan.plain(last_ids)
     shape, device = (batch.size, call.proposer.num_draft_tokens), batch.tokens.device
     sources, probs, sampled = proposal.row_sources(shape, device), None, call.selector.do_sample
     if proposal.drafted:
@@ -363,13 +363,13 @@ def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted) ->
             batch.write(ids)
     features = scores = None
     if call.estimator is not None:
-        companion_probs = _companion_probs(call, batch, last_accepted, ids) if call.companion is not None else None
+        companion_probs = _companion_probs(call, last_ids, last_accepted, ids) if call.companion is not None else None
         scores, features = call.estimator.estimate(probs, ids, sources, companion_probs, sampled, proposal.confidence)
     elif call.schedule.needs_scores:
         confidence = draft_features("confidence", probs, ids, sources, None, sampled, proposal.confidence)[..., 0]
         scores = confidence.masked_fill(sources == NO_DRAFT, 0).cumprod(1)
-    return StepPlan(ids, sources, probs, features, scores, None if proposal.ids is None else sources == LOOKUP,
-                    proposal.drafted)
+    free = None if proposal.ids is None else sources == LOOKUP
+    return StepPlan(last_ids, ids, sources, probs, features, scores, free, proposal.drafted)
 
 
 def _draft_tokens(call: _Call, batch: RaggedBatch, proposal: Proposal, sources):
@@ -397,13 +397,12 @@ def _draft_tokens(call: _Call, batch: RaggedBatch, proposal: Proposal, sources):
     return ids, scores.softmax(-1) if needs_probs else None
 
 
-def _companion_probs(call: _Call, batch: RaggedBatch, last_accepted, draft_ids) -> torch.Tensor:
+def _companion_probs(call: _Call, last_ids, last_accepted, draft_ids) -> torch.Tensor:
     """P_c `[B, k, V]`: the companion on the target's last hidden state at each row's last accepted input and the
     chain (committed token, d_1 .. d_{k-1})."""
     last = call.states[-1]
     states = last[torch.arange(last.shape[0], device=last.device), last_accepted]
-    committed = batch.tokens[batch.row_ids, batch.prefix_lengths() - 1]
-    chain = torch.cat([committed[:, None], draft_ids[:, :-1]], dim=1)
+    chain = torch.cat([last_ids, draft_ids[:, :-1]], dim=1)
     return call.companion(hidden_states=states, input_ids=chain).logits.float().softmax(-1)
 
 
@@ -497,7 +496,7 @@ def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan:
     last = torch.full_like(first, new.columns - 1)
     proposal = call.proposer.propose(new, TargetStep(tuple(call.states), position_ids, last), new_caches[1:], *wants)
     call.proposer.flush(new, new_caches[1:])
-    new_plan = _plan(call, new, proposal, last)
+    new_plan = _plan(call, new, proposal, last, first[:, None])
     result = _read(call, new, new_plan)
     if not direct:
         for cache, part in zip(caches, new_caches, strict=True):
