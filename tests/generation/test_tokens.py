@@ -35,10 +35,10 @@ class StopAfterSeven(StoppingCriteria):
 def test_committer_cuts_rows_at_eos_at_max_new_tokens_and_at_a_stopping_criterion():
     batch = started_batch(torch.full((5, 2), 5), None, 8, PAD, max_new_tokens=5)
     batch.num_generated[3] = 3  # two new tokens left of max_new_tokens = 5
-    batch.finished[4] = True  # already finished: commits nothing
+    batch.finished[4] = True  # already finished: its count is 0 and it stays finished
     commit = Committer(StoppingCriteriaList([StopAfterSeven()]), _generation_config(eos=2), streamer=None)
     tokens = torch.tensor([[3, 2, 4], [3, 4, 4], [3, 7, 3], [3, 3, 3], [3, 3, 3]])
-    finished = commit(batch, tokens, torch.tensor([3, 3, 3, 3, 3]))
+    finished = commit(batch, tokens, torch.tensor([3, 3, 3, 3, 0]))
     assert finished.tolist() == [True, False, True, True, True]
     assert batch.num_generated.tolist() == [2, 3, 2, 5, 0]
     assert batch.sequences()[:3, 2:5].tolist() == [[3, 2, PAD], [3, 4, 4], [3, 7, PAD]]

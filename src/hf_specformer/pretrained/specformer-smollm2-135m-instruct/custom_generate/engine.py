@@ -407,18 +407,17 @@ def _companion_probs(call: _Call, last_ids, last_accepted, draft_ids) -> torch.T
 
 
 def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, window: int = 1) -> StepResult:
-    """One host read of the accepted drafts, the finished rows, the longest row and the next plan's scores, and for a
-    feed each row's last `window` tokens (`_tell`)."""
+    """One host read of the finished rows, the rows' valid entries, the accepted drafts and the next plan's scores,
+    and for a feed each row's last `window` tokens (`_tell`)."""
     size = batch.size
-    shortest, longest = batch.lengths.aminmax()
-    parts = [batch.finished, longest[None], shortest[None]] + ([] if num_accepted is None else [num_accepted])
+    parts = [batch.finished, batch.lengths] + ([] if num_accepted is None else [num_accepted])
     parts += [] if call.feed is None else [_last_tokens(batch, window).flatten()]
     parts += [part.flatten() for part in (plan.scores, plan.free) if part is not None]
     values = call.read(torch.cat(parts))  # cat promotes to the widest dtype
-    finished = [value > 0 for value in values[:size]]
-    accepted = [int(value) for value in values[size + 2: 2 * size + 2]] if num_accepted is not None else []
+    finished, lengths = [value > 0 for value in values[:size]], [int(value) for value in values[size: 2 * size]]
+    accepted = [int(value) for value in values[2 * size: 3 * size]] if num_accepted is not None else []
     if call.feed is not None:
-        start = size + 2 + len(accepted)
+        start = 2 * size + len(accepted)
         _tell(call, batch, [[int(v) for v in values[i: i + window + 1]]
                             for i in range(start, start + size * (window + 1), window + 1)], window)
     host, end = [], len(values)
@@ -429,7 +428,7 @@ def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, wi
     free, scores = host
     if scores is not None:
         scores.mul_(torch.tensor([[not done] for done in finished], dtype=torch.float64))
-    return StepResult(accepted, finished, int(values[size]), int(values[size + 1]), scores, free)
+    return StepResult(accepted, finished, max(lengths, default=0), min(lengths, default=0), scores, free)
 
 
 def _record(call: _Call, batch: RaggedBatch, plan: StepPlan, counts, width, was_live, result: StepResult) -> None:

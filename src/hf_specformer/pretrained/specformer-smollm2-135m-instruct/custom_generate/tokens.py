@@ -177,8 +177,8 @@ class Committer:
         self.streamer = streamer
 
     def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
-        """tokens `[B, n]`, counts `[B]` (at most n) -> finished `[B]`; writes the kept tokens into `batch` (rows
-        already finished commit nothing)."""
+        """tokens `[B, n]`, counts `[B]` (at most n; 0 for rows already finished) -> finished `[B]`; writes the kept
+        tokens into `batch`."""
         offsets = batch.positions[: tokens.shape[1]]
         generated = batch.num_generated[batch.row_ids]
         limit = batch.max_new[batch.row_ids] - generated  # [B] tokens a row may take: its remaining new tokens,
@@ -186,7 +186,7 @@ class Committer:
             after = batch.positions[1: tokens.shape[1] + 1]
             limit = torch.where(torch.isin(tokens, self.eos_token_ids), after, limit[:, None]).amin(1)
         finished = batch.finished | (counts >= limit)
-        counts = torch.minimum(counts, limit).masked_fill_(batch.finished, 0)
+        counts = torch.minimum(counts, limit)
         if self.extra_criteria:
             batch.write(tokens)
             counts, finished = self._apply_extra_criteria(batch, counts, finished)
