@@ -89,6 +89,21 @@ def test_prefix_reading_processors_and_min_new_tokens(kind):
     assert (output.sequences[:, input_ids.shape[1]: input_ids.shape[1] + 6] != eos).all()
 
 
+def test_tensors_that_outlive_a_call_serve_autograd_later():
+    """The loop runs in inference mode; what leaves it (the output, the drafter's draft-vocabulary head it built)
+    must still work in training afterwards."""
+    target = make_target("llama")
+    drafter = make_drafter(target, draft_length=3).set_draft_vocab(torch.randperm(TINY_VOCAB)[:40])
+    input_ids, mask = make_batch(2, seed=5)
+    output = generate(target, input_ids=input_ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=6,
+                      do_sample=False, pad_token_id=PAD, return_dict_in_generate=True)
+    assert not output.sequences.is_inference()
+    output.sequences[:, -1] = PAD  # an ordinary tensor takes in-place writes
+    states = torch.randn(2, target.config.hidden_size, dtype=target.dtype, requires_grad=True)
+    drafter.draft_head()(states).sum().backward()  # the head built during the call is saved for backward
+    assert states.grad is not None
+
+
 class StopAfterToken(StoppingCriteria):
     """Stops a row once `token` has been generated (a user criterion the engine cannot vectorise)."""
 

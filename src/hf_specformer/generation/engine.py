@@ -234,7 +234,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
         estimator, schedule = None, FixedSchedule(k, speculation.confidence_threshold)
     num_layers = model.config.get_text_config().num_hidden_layers
     indices = proposer.hidden_state_indices | (frozenset({num_layers}) if companion is not None else frozenset())
-    with record_hidden_states(model, indices) as states:
+    with record_hidden_states(model, indices) as states, torch.inference_mode():  # no autograd bookkeeping per op
         call = _Call(model, proposer, schedule, estimator, companion, RaggedLogitsProcessor(logits_processor),
                      TokenSelector(bool(generation_config.do_sample), seeds),
                      Committer(stopping_criteria, generation_config, speculative_streamer), speculation,
@@ -251,7 +251,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
         speculative_streamer.end()
     stats = call.stats
     stats.handoffs, stats.host_reads, stats.tokens_per_row = schedule.handoffs, call.reads, call.rows.kappa()
-    sequences = batch.sequences()
+    sequences = batch.sequences()  # built outside inference mode: an ordinary tensor, as `generate` returns
     if generation_config.return_dict_in_generate:
         return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
     return sequences

@@ -475,9 +475,10 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         if self._draft_head is None or self._draft_head[0] != key:
             bias = getattr(lm_head, "bias", None)
             head = nn.Linear(lm_head.weight.shape[1], ids.numel(), bias=bias is not None, device="meta")
-            head.weight = nn.Parameter(lm_head.weight[ids], requires_grad=False)
-            if bias is not None:
-                head.bias = nn.Parameter(bias[ids], requires_grad=False)
+            with torch.inference_mode(False):  # built during generation, it may serve training later
+                head.weight = nn.Parameter(lm_head.weight[ids], requires_grad=False)
+                if bias is not None:
+                    head.bias = nn.Parameter(bias[ids], requires_grad=False)
             self._draft_head = (key, head)
         return self._draft_head[1]
 
