@@ -8,7 +8,6 @@ import torch
 from conftest import CPU_ONLY, TINY_COMMON, TINY_VOCAB, make_drafter, make_target
 from helpers import PAD, TEST_STEP_COSTS, assert_same_as_generate, make_batch, noisy_oracle
 from transformers import (
-    DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
     Lfm2Config,
@@ -140,22 +139,20 @@ def test_processor_needing_more_arguments_is_rejected_like_plain_generate():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_zero_draft_tokens_is_plain_decoding(kind):
-    """transformers' own loop on its own `DynamicCache`, as plain `generate` runs (the engine's steps would write
-    into a `PreallocatedCache`); same output."""
+    """The engine's plain steps on its preallocated cache, one input per row and step; same output."""
     target = make_target(kind)
     input_ids, mask = make_batch(5, seed=3)
-    caches = []
+    widths = []
     hook = target.register_forward_pre_hook(
-        lambda module, args, kwargs: caches.append(type(kwargs.get("cache", kwargs.get("past_key_values")))),
-        with_kwargs=True)
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
         output = assert_same_as_generate(target, make_drafter(target), input_ids, mask, num_draft_tokens=0,
                                          max_new_tokens=12)
     finally:
         hook.remove()
     stats = output.speculation_stats
-    assert stats.width_counts == [stats.steps] == [12] and stats.drafted == 0 and stats.num_draft_tokens == 0
-    assert set(caches[len(caches) // 2:]) == {DynamicCache}  # the speculative call's (the reference's first)
+    assert stats.width_counts == [stats.steps] == [11] and stats.drafted == 0 and stats.num_draft_tokens == 0
+    assert widths[-11:] == [1] * 11  # after the prefill: one input per row and step
 
 
 def test_drafter_in_another_dtype_is_lossless():

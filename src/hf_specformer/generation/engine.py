@@ -14,7 +14,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
@@ -214,9 +213,6 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
         raise ValueError("A call with a RowFeed needs speculation_config={'max_batch_size': ...}: rows keep coming.")
     rows = input_ids.shape[0] if feed is None else max(input_ids.shape[0], speculation.max_batch_size)
     slots = speculation.slots(rows, slot_bytes(model, proposer, width, max_new))
-    if proposer.num_draft_tokens == 0 and slots == input_ids.shape[0] and seeds is None and row_finished is None:
-        return _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                             speculative_streamer, model_kwargs)
     if proposer.num_draft_tokens == 0:
         proposer, companion, speculation = NoDrafts(), None, dataclasses.replace(speculation, schedule="fixed")
     elif _copies_key_value_heads(model):
@@ -575,16 +571,3 @@ def _new_caches(call: _Call, capacity: int, slots: int | None = None) -> list:
     if call.proposer.num_cache_layers:
         caches.append(PreallocatedCache(call.proposer.num_cache_layers, capacity, slots=slots))
     return caches
-
-
-def _plain_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
-    """transformers' own decoding loop on its own cache, as plain `generate` runs it: a call without drafts whose rows
-    nobody waits for one by one."""
-    output = GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                     streamer=streamer, **model_kwargs)
-    sequences = output if isinstance(output, torch.Tensor) else output.sequences
-    generated = sequences[:, input_ids.shape[1]:]
-    stats = SpecStats(0, steps=generated.shape[1], row_steps=generated.numel(), width_counts=[generated.shape[1]])
-    if generation_config.return_dict_in_generate:
-        return SpeculativeDecoderOnlyOutput(sequences=sequences, speculation_stats=stats)
-    return sequences

@@ -100,7 +100,7 @@ class Proposer:
 
 
 class NoDrafts(Proposer):
-    """Proposes nothing (k = 0): plain steps in the engine (continuous batching, seeded rows) without a drafter."""
+    """Proposes nothing (k = 0): the engine's plain steps, without a drafter."""
 
     def __init__(self):
         super().__init__(0)
