@@ -70,8 +70,8 @@ class StepPlan:
 
     def select(self, keep: list[int]) -> "StepPlan":
         """The plan of the active rows `keep` (host indices)."""
-        return StepPlan(*(None if t is None else t[torch.tensor(keep, dtype=torch.long, device=t.device)]
-                          for t in self._tensors()), drafted=self.drafted)
+        index = torch.tensor(keep, dtype=torch.long, device=self.last_ids.device)  # scores, free: on the host
+        return StepPlan(*(None if t is None else t[index.to(t.device)] for t in self._tensors()), drafted=self.drafted)
 
     def join(self, other: "StepPlan") -> "StepPlan":
         """This plan's rows, then `other`'s; drafts one lacks are no drafts (scores 0)."""
