@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from hf_specformer.generation.verification import EMPTY_SLOT, verify_greedy, verify_sampling
+from hf_specformer.generation.verification import EMPTY_SLOT, greedy_tokens, verify_greedy, verify_sampling
 
 V = 8
 
@@ -12,6 +13,14 @@ V = 8
 def one_hot_scores(tokens: list[list[int]]) -> torch.Tensor:
     """`[B, n]` target argmax tokens -> `[B, n, V]` scores."""
     return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_greedy_tokens_are_argmax_with_its_ties_and_nans(dtype):
+    scores = torch.randint(0, 3, (16, 5, 1031), generator=torch.Generator().manual_seed(0)).to(dtype)  # many ties
+    scores[0, 0, [5, 9]] = float("nan")
+    scores[1] = float("-inf")
+    assert torch.equal(greedy_tokens(scores), scores.argmax(-1))
 
 
 def test_greedy_all_match_gives_bonus():

@@ -20,6 +20,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .batch import RaggedBatch
+from .verification import greedy_tokens
 
 PREFIX_FREE_PROCESSORS = (lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.MinPLogitsWarper, lp.TopKLogitsWarper,
                           lp.SuppressTokensLogitsProcessor, lp.TemperatureLogitsWarper, lp.TopPLogitsWarper,
@@ -156,7 +157,7 @@ class TokenSelector:
     def __call__(self, scores: torch.Tensor, batch: RaggedBatch, offset: int = 0) -> torch.LongTensor:
         """`[B, T, V]` scores -> `[B, T]` tokens."""
         if not self.rejection_sampling:
-            return self.scores_to_verify(scores, batch, offset).argmax(-1)
+            return greedy_tokens(self.scores_to_verify(scores, batch, offset))
         return torch.multinomial(scores.flatten(0, 1).softmax(-1), 1).view(scores.shape[:2])
 
 
