@@ -98,25 +98,15 @@ class StepClock:
 
 @dataclass
 class TimedStep:
-    """What the goodput scheduler learns from one step (host values).
+    """What the goodput scheduler learns from one step (host values)."""
 
-    Attributes:
-        batch_size: B, rows fed (finished rows kept as padding included).
-        width: w, the most drafts a row verified (0: a plain step).
-        num_live: L, rows that were still generating.
-        accepted: drafts accepted in all.
-        proposed: the step had proposals (False: a plain step by the schedule's word).
-        proposing: anything was proposed after it, for the next step.
-        drafted: the drafter's network ran after it.
-    """
-
-    batch_size: int
-    width: int
-    num_live: int
-    accepted: int
-    proposed: bool
-    proposing: bool
-    drafted: bool
+    batch_size: int  # B, rows fed (finished rows kept as padding included)
+    width: int  # w, the most drafts a row verified (0: a plain step)
+    num_live: int  # L, rows that were still generating
+    accepted: int  # drafts accepted in all
+    proposed: bool  # the step had proposals (False: a plain step by the schedule's word)
+    proposing: bool  # anything was proposed after it, for the next step
+    drafted: bool  # the drafter's network ran after it
 
 
 @dataclass

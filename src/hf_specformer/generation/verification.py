@@ -53,7 +53,7 @@ def _kernels_for(tensor: torch.Tensor, backend: str | None):
 
 
 def greedy_tokens(scores: torch.Tensor) -> torch.LongTensor:
-    """`scores.argmax(-1)` by way of `max`, which picks the same first index among equal maxima and runs faster on CPU."""
+    """`scores.argmax(-1)` by way of `max`: the same first index among equal maxima, and faster on CPU."""
     return scores.max(dim=-1).indices
 
 

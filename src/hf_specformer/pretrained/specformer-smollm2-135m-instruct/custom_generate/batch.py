@@ -32,50 +32,30 @@ def padded_batch_size(num_live: int) -> int:
 
 @dataclass
 class RaggedBatch:
-    """The rows of one call. Shapes: B0 = rows of the call, B = active rows, C = cache capacity.
+    """The rows of one call. Shapes: B0 = rows of the call, B = active rows, C = cache capacity; `host_*`, `num_live`,
+    `max_length` and `min_length` are as of the last host read."""
 
-    Attributes:
-        tokens: `[B0, P + max_new_tokens + k + 1]` prompts, generated tokens, draft scratch.
-        prompt_width: P, the left-padded prompts' width.
-        num_generated: `[B0]` committed new tokens per row.
-        row_ids: `[B]` the call's row index of each active row.
-        valid: `[slots, C]` 1 where a cache column holds a valid entry of active row b (0 beyond `columns`).
-        columns: cache columns in use (the same for every row).
-        lengths: `[B]` valid entries per active row: the position of its next input.
-        finished: `[B]` rows that ended and stay only as padding.
-        pad_token_id: what `sequences` puts after each row's end.
-        prompt_mask: `[B0, P]` 1 on the prompts' real tokens.
-        max_new: `[B0]` new tokens each row may generate.
-        prompt_lengths: `[B0]` real prompt tokens per row, on the host (an admission's width and groups).
-        host_rows, host_finished: `row_ids` and `finished` on the host, as of the last host read.
-        num_live, max_length, min_length: rows not finished, the largest and smallest of `lengths`, as of the last
-            host read.
-        max_prefix, min_prefix: bounds of the longest and shortest committed prefix of the live rows, on the host.
-        positions: `[capacity]` 0, 1, ... (for masks and offsets, allocated once).
-        causal: (T, dtype) -> `[T, C + T]` the additive causal mask of a step of T inputs (`_causal`).
-    """
-
-    tokens: torch.LongTensor
-    prompt_width: int
-    num_generated: torch.LongTensor
-    row_ids: torch.LongTensor
-    valid: torch.LongTensor
-    columns: int
-    lengths: torch.LongTensor
-    finished: torch.BoolTensor
-    pad_token_id: int
-    prompt_mask: torch.LongTensor
-    max_new: torch.LongTensor
-    prompt_lengths: list[int] = field(default_factory=list)
-    host_rows: list[int] = field(default_factory=list)
-    host_finished: list[bool] = field(default_factory=list)
-    num_live: int = 0
-    max_length: int = 0
-    max_prefix: int = 0
+    tokens: torch.LongTensor  # [B0, P + max_new_tokens + k + 1] prompts, generated tokens, draft scratch
+    prompt_width: int  # P, the left-padded prompts' width
+    num_generated: torch.LongTensor  # [B0] committed new tokens per row
+    row_ids: torch.LongTensor  # [B] the call's row index of each active row
+    valid: torch.LongTensor  # [slots, C] 1 where a cache column holds a valid entry of active row b (0 past `columns`)
+    columns: int  # cache columns in use (the same for every row)
+    lengths: torch.LongTensor  # [B] valid entries per active row: the position of its next input
+    finished: torch.BoolTensor  # [B] rows that ended and stay only as padding
+    pad_token_id: int  # what `sequences` puts after each row's end
+    prompt_mask: torch.LongTensor  # [B0, P] 1 on the prompts' real tokens
+    max_new: torch.LongTensor  # [B0] new tokens each row may generate
+    prompt_lengths: list[int] = field(default_factory=list)  # [B0] real prompt tokens (an admission's width, groups)
+    host_rows: list[int] = field(default_factory=list)  # `row_ids` on the host
+    host_finished: list[bool] = field(default_factory=list)  # `finished` on the host
+    num_live: int = 0  # rows not finished
+    max_length: int = 0  # the largest of `lengths`
+    max_prefix: int = 0  # on the host: bounds of the longest and shortest committed prefix of the live rows
     min_prefix: int = 0
-    positions: torch.LongTensor | None = None
-    causal: dict = field(default_factory=dict)
-    min_length: int = 0
+    positions: torch.LongTensor | None = None  # [capacity] 0, 1, ... (for masks and offsets, allocated once)
+    causal: dict = field(default_factory=dict)  # (T, dtype) -> [T, C + T] a step's additive causal mask (`_causal`)
+    min_length: int = 0  # the smallest of `lengths`
 
     @classmethod
     def start(cls, input_ids, attention_mask, max_new_tokens: int, new_columns: int, slots: int, capacity: int,

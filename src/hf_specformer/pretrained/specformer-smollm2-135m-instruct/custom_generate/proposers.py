@@ -24,35 +24,22 @@ from .cache import kv_bytes_per_column
 
 @dataclass
 class TargetStep:
-    """What a target forward of T inputs per row gives a proposer.
+    """What a target forward of T inputs per row gives a proposer."""
 
-    Attributes:
-        hidden_states: the target's L + 1 hidden states, `[B, T, d]` at the proposer's `hidden_state_indices`.
-        position_ids: `[B, T]` positions of the inputs.
-        last_accepted: `[B]` index in 0..T-1 of each row's last accepted input.
-    """
-
-    hidden_states: tuple
-    position_ids: torch.LongTensor
-    last_accepted: torch.LongTensor
+    hidden_states: tuple  # the target's L + 1 hidden states, [B, T, d] at the proposer's `hidden_state_indices`
+    position_ids: torch.LongTensor  # [B, T] positions of the inputs
+    last_accepted: torch.LongTensor  # [B] index in 0..T-1 of each row's last accepted input
 
 
 @dataclass
 class Proposal:
-    """The drafts offered for the next step, k per row.
+    """The drafts offered for the next step, k per row. Fixed drafts (`ids`) are never processed or sampled: their
+    draft distribution is one-hot, so verification stays lossless."""
 
-    Attributes:
-        logits: `[B, k, V]` the network's draft logits, unprocessed (None: it did not draft).
-        ids: `[B, k]` fixed drafts, read where `sources == LOOKUP` (None: none). Never processed or sampled: their
-            draft distribution is one-hot, so verification stays lossless.
-        sources: `[B, k]` `DRAFTER`, `LOOKUP` or `NO_DRAFT` per draft (None: the network everywhere).
-        confidence: `[B, k]` what the free source thinks of its drafts (None: 1).
-    """
-
-    logits: torch.Tensor | None = None
-    ids: torch.LongTensor | None = None
-    sources: torch.LongTensor | None = None
-    confidence: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # [B, k, V] the network's draft logits, unprocessed (None: it did not draft)
+    ids: torch.LongTensor | None = None  # [B, k] fixed drafts, read where `sources == LOOKUP` (None: none)
+    sources: torch.LongTensor | None = None  # [B, k] DRAFTER, LOOKUP or NO_DRAFT per draft (None: the network's)
+    confidence: torch.Tensor | None = None  # [B, k] what the free source thinks of its drafts (None: 1)
 
     @property
     def drafted(self) -> bool:
