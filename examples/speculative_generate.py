@@ -18,6 +18,7 @@ from hf_specformer.targets import load_target, load_tokenizer, shipped_drafter_d
 
 torch.set_num_threads(2)
 target, tokenizer = load_target("smollm2"), load_tokenizer("smollm2")
+target.set_attn_implementation(hf_specformer.GQA_SDPA)  # verification without copies of the key/value heads
 drafter_dir = str(shipped_drafter_dir())
 draft = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True, dtype=torch.float32)
 

@@ -17,6 +17,7 @@ from hf_specformer.targets import load_target, load_tokenizer, shipped_companion
 
 torch.set_num_threads(2)
 target, tokenizer = load_target("smollm2"), load_tokenizer("smollm2")
+target.set_attn_implementation(hf_specformer.GQA_SDPA)  # verification without copies of the key/value heads
 draft = AutoModel.from_pretrained(shipped_drafter_dir(), trust_remote_code=True, dtype=torch.float32)
 companion = AutoModel.from_pretrained(shipped_companion_dir(), trust_remote_code=True, dtype=torch.float32)
 
