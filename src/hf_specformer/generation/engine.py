@@ -316,8 +316,8 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
         _record(call, batch, plan, counts, width, was_live, result)
 
         # 7. Settle: report and retire finished rows, compact the caches
-        step = TimedStep(batch.size, width, sum(counts), sum(was_live), sum(result.accepted),
-                         plan.draft_ids.shape[1] > 0, free, proposal.drafted)
+        step = TimedStep(batch.size, width, sum(was_live), sum(result.accepted), plan.draft_ids.shape[1] > 0, free,
+                         proposal.drafted)
         plan = _settle(call, batch, caches, next_plan, result)
         clock.end(step)
 

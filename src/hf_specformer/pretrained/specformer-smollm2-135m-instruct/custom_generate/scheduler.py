@@ -102,8 +102,6 @@ class TimedStep:
 
     batch_size: int  # B, rows fed (finished rows kept as padding included)
     width: int  # w, the most drafts a row verified (0: a plain step)
-    verified: int  # drafts verified in all: the inputs beyond one per row that the step computed where unverified
-    # inputs are skipped (the CPU backend packs them); elsewhere B w were computed, and t_input errs high
     num_live: int  # L, rows that were still generating
     accepted: int  # drafts accepted in all
     proposed: bool  # the step had proposals (False: a plain step by the schedule's word)
@@ -132,7 +130,6 @@ class StepCosts:
     learn: bool = True
     learnt: dict = field(default_factory=dict, repr=False)  # ("plain" | "input" | "draft", B) -> seconds
     moments: dict = field(default_factory=dict, repr=False)  # B -> decayed sums of 1, x, x^2, t, x t (x = B w)
-    timed_shapes: set = field(default_factory=set, repr=False)  # (B, w) and ("draft", B) timed at least once
 
     def __post_init__(self):
         if not self.learn and None in (self.plain, self.per_input, self.draft):
@@ -145,36 +142,21 @@ class StepCosts:
         prior = {"plain": self.plain, "input": self.per_input, "draft": self.draft}[kind]
         return None if prior is None else prior * (1 if kind == "input" else batch_size)
 
-    def first_timing(self, *shape) -> bool:
-        """Whether a step of `shape` is timed for the first time. Such a step pays one-time costs (the CPU backend
-        timing a new product shape, kernels compiling, buffers growing) that, learnt, would keep drafting off: it is
-        not learnt from."""
-        first = shape not in self.timed_shapes
-        self.timed_shapes.add(shape)
-        return first
-
     def step(self, batch_size: int, width: int) -> float:
         return self.get("plain", batch_size) + self.get("input", batch_size) * batch_size * width
 
-    def observe_step(self, batch_size: int, inputs: int, seconds: float) -> None:
-        """A step's verifying seconds with `inputs` drafts verified: t_input(B) is their slope over the inputs beyond
-        one per row, fitted over every kind of step with forgetting (`INPUT_COST_DECAY`), so the machine's drift moves
-        all widths alike."""
+    def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
+        """A step's verifying seconds at `width`: t_input(B) is their slope over the inputs beyond one per row, fitted
+        over every kind of step with forgetting (`INPUT_COST_DECAY`), so the machine's drift moves all widths alike."""
         if not self.learn:
             return
-        sums = self.moments.setdefault(batch_size, [0.0] * 5)
+        sums, inputs = self.moments.setdefault(batch_size, [0.0] * 5), batch_size * width
         for i, value in enumerate((1.0, inputs, inputs * inputs, seconds, inputs * seconds)):
             sums[i] = INPUT_COST_DECAY * sums[i] + value
-        if not self.input_is_stale(batch_size):
-            mean_x, mean_t = sums[1] / sums[0], sums[3] / sums[0]
-            self.learnt["input", batch_size] = (sums[4] / sums[0] - mean_x * mean_t) / (sums[2] / sums[0] - mean_x**2)
-
-    def input_is_stale(self, batch_size: int) -> bool:
-        """Whether the recent steps' inputs vary too little to tell t_input(B) (`MIN_WIDTH_VARIANCE`): a slope learnt
-        before, perhaps from one slow step, is then measured again rather than trusted for the rest of the process."""
-        sums = self.moments.get(batch_size)
-        return self.learn and (sums is None or sums[2] / sums[0] - (sums[1] / sums[0])**2 <=
-                               MIN_WIDTH_VARIANCE * batch_size**2)
+        mean_x, mean_t = sums[1] / sums[0], sums[3] / sums[0]
+        variance = sums[2] / sums[0] - mean_x**2
+        if variance > MIN_WIDTH_VARIANCE * batch_size**2:
+            self.learnt["input", batch_size] = (sums[4] / sums[0] - mean_x * mean_t) / variance
 
     def observe(self, kind: str, batch_size: int, seconds: float) -> None:
         if self.learn:
@@ -305,8 +287,8 @@ class GoodputSchedule:
     def choose(self, scores: torch.Tensor, num_rows: int, num_live: int, drafted: bool) -> torch.LongTensor:
         """scores `[B, k]` on the host (q_{b,j}, 0 without a draft) -> drafts each row verifies `[B]` on the host:
         up to the width of the best rate, and of those only the drafts likely enough to pay for their own input
-        (q_{b,j} at least t_input times the rate). Drafted scores update E_w. While verification's cost is unknown or
-        stale each row verifies its first draft, the cheapest step that measures it."""
+        (q_{b,j} at least t_input times the rate). Drafted scores update E_w. While verification's cost is unknown
+        each row verifies its first draft, the cheapest step that measures it."""
         scores = scores.double()
         if drafted:
             per_row = torch.cat([scores.new_zeros(num_rows, 1), scores.cumsum(1)], dim=1).mean(0)
@@ -314,7 +296,7 @@ class GoodputSchedule:
                 EXPECTED_DECAY * self.expected + (1 - EXPECTED_DECAY) * per_row
         if self.plain_step_due(num_rows):
             return torch.zeros(num_rows, dtype=torch.long)
-        if self.costs.get("input", num_rows) is None or (drafted and self.costs.input_is_stale(num_rows)):
+        if self.costs.get("input", num_rows) is None:
             return (scores[:, :1] > 0).sum(1)
         width, rate = self.best_width(scores, num_rows, num_live)
         floor = self.costs.get("input", num_rows) * rate
@@ -336,11 +318,10 @@ class GoodputSchedule:
             batch = step.batch_size
             self.steps_since_plain = 0 if not step.proposed else (self.steps_since_plain or 0) + 1
             self.plain_steps_untimed = max(self.plain_steps_untimed - (not step.proposed), 0)
-            if step.drafted and not self.costs.first_timing("draft", batch):
+            if step.width == 0:
+                self.costs.observe("plain", batch, seconds + (0.0 if step.proposing else proposing))
+            self.costs.observe_step(batch, step.width, seconds)
+            if step.drafted:
                 self.costs.observe("draft", batch, proposing)
-            if not self.costs.first_timing(batch, step.width):
-                if step.width == 0:
-                    self.costs.observe("plain", batch, seconds + (0.0 if step.proposing else proposing))
-                self.costs.observe_step(batch, step.verified, seconds)
-            if self.costs.get("plain", batch) is not None:  # the guard weighs every step, one-time costs included
+            if self.costs.get("plain", batch) is not None:
                 self.handoff.observe(self.costs.get("plain", batch), step, seconds, proposing)
