@@ -134,6 +134,12 @@ def measure(target, drafter, batch_size: int, prompt_length: int, new_tokens: in
                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     reference = target.generate(**kwargs)  # also the warm-up
     loaded, settings = target.config._attn_implementation, acceptance_settings(3)
+    # the speculative warm-up, untimed: a goodput call's first verifying step would otherwise learn the verification
+    # kernels' compilation as the cost of verifying and keep drafting off at this batch size (docs/log.md)
+    rates = next(iter(settings.values()))
+    warm_up = CorruptedOracle(SpecFormerProposer(drafter, 3), reference[:, prompt_length:], rates, vocab)
+    generate(target, assistant_model=warm_up, **kwargs,
+             speculation_config={"schedule": "fixed", "lookup_ngram_size": 0})
     calls = {("plain generate", "-"): (loaded, lambda: (target.generate(**kwargs), None))}  # name -> (attention, call)
     variants = [(setting, schedule, loaded) for setting in settings for schedule in ("goodput", "fixed")]
     for setting, schedule, attention in variants + [(next(iter(settings)), "fixed", GQA_SDPA)]:
