@@ -29,7 +29,7 @@ def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropou
     """`sdpa_attention_forward` without copies of the key/value heads under a mask: query `[B, H, T, D]`, key and
     value `[B, H_kv, S, D]`, mask `[B, 1, T, S]` -> `[B, T, H, D]`."""
     groups = getattr(module, "num_key_value_groups", 1)
-    delegated = any(kwargs.get(name) for name in ("softcap", "position_bias", "output_attentions"))
+    delegated = kwargs.get("softcap") or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")
     length = query.shape[2]
     masked_multi_query = groups > 1 and attention_mask is not None and length > 1 and not delegated
     if masked_multi_query and query.device.type == "cpu":

@@ -70,7 +70,7 @@ def test_processing_reads_each_positions_own_prefix():
         TemperatureLogitsWarper(0.7),
     ])
     logits = torch.randn(3, 3, 12, generator=torch.Generator().manual_seed(1))
-    processed = RaggedLogitsProcessor(processors)(batch, logits)
+    processed = RaggedLogitsProcessor(processors)(batch, logits.clone())  # (processed in place)
     prefix = batch.prefix_lengths()
     assert processed[:, :, 2].isinf().any() and not processed[:, :, 2].isinf().all()  # min-new-tokens bites midway
     for b in range(3):

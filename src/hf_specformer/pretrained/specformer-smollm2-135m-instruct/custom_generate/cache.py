@@ -58,10 +58,10 @@ class PreallocatedLayer(DynamicLayer):
             raise RuntimeError(f"PreallocatedLayer holds {self.capacity} columns; {end} were asked for.")
         if key_states.shape[0] != self.rows[0].shape[0]:
             self._view(key_states.shape[0])
-        self.rows[0][:, :, self.length : end] = key_states
-        self.rows[1][:, :, self.length : end] = value_states
+        self.rows[0].narrow(2, self.length, key_states.shape[2]).copy_(key_states)
+        self.rows[1].narrow(2, self.length, key_states.shape[2]).copy_(value_states)
         self.length = end
-        self.keys, self.values = self.rows[0][:, :, :end], self.rows[1][:, :, :end]
+        self.keys, self.values = self.rows[0].narrow(2, 0, end), self.rows[1].narrow(2, 0, end)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

@@ -27,7 +27,7 @@ from .scheduler import FixedSchedule, GoodputSchedule, StepClock, StepCosts, Tim
 from .speculation import SpeculationConfig
 from .stats import RowCounts, SpecStats
 from .tokens import Committer, RaggedLogitsProcessor, TokenSelector, pad_token_id
-from .verification import verify_greedy, verify_sampling
+from .verification import resolved_backend, verify_greedy, verify_sampling
 
 logger = logging.get_logger(__name__)
 
@@ -220,7 +220,8 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
             "This grouped-query target uses `sdpa`, which copies every layer's key/value heads in each verification "
             "forward; load it with attn_implementation='hf_specformer_gqa_sdpa' (`hf_specformer.GQA_SDPA`, "
             "registered when hf_specformer is imported) to verify without the copies.")
-    k = proposer.num_draft_tokens
+    k, backend = proposer.num_draft_tokens, resolved_backend(input_ids, speculation.kernel_backend)
+    speculation = dataclasses.replace(speculation, kernel_backend=backend)
     if speculation.schedule == "goodput":
         table = acceptance_table or AcceptanceTable.uncalibrated("sv" if companion is not None else "confidence", k)
         estimator = AcceptanceEstimator(table, input_ids.device)

@@ -54,11 +54,14 @@ class SpecStats:
         self.steps += 1
         self.width_counts[width] += 1
         self.drafted += verified
-        for count, is_live in zip(accepted, live):
-            self.row_steps += is_live
-            self.accepted += count
-            for j in range(count):
-                self.accepted_at[j] += 1
+        self.row_steps += sum(live)
+        self.accepted += sum(accepted)
+        rows_with = [0] * (self.num_draft_tokens + 1)  # rows that accepted exactly n drafts
+        for count in accepted:
+            rows_with[count] += 1
+        for j in range(self.num_draft_tokens - 1, -1, -1):  # rows that accepted more than j
+            rows_with[j] += rows_with[j + 1]
+            self.accepted_at[j] += rows_with[j + 1]
 
     @property
     def tokens_per_step(self) -> float:

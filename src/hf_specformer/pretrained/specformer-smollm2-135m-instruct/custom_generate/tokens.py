@@ -46,11 +46,12 @@ class RaggedLogitsProcessor:
         self.reads_prefix = any(not isinstance(p, PREFIX_FREE_PROCESSORS) for p in self.processors)
 
     def __call__(self, batch: RaggedBatch, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """logits `[B, T, V]` -> processed float32 scores `[B, T, V]`; `offset` shifts every prefix."""
+        """logits `[B, T, V]` -> processed float32 scores `[B, T, V]` (float32 logits are processed in place: the
+        engine does not read them again); `offset` shifts every prefix."""
         blocking = [(length, eos) for length, eos in self.min_lengths if batch.min_prefix + offset < length]
-        scores = logits.to(dtype=torch.float32, copy=bool(self.processors or blocking))
+        scores = logits.float()
         for length, eos in blocking:  # not once every live row's prefix is past every minimum (on the host)
-            eos = eos.to(scores.device)
+            eos = eos if eos.device == scores.device else eos.to(scores.device)
             if batch.max_prefix + offset + scores.shape[1] <= length:  # every position is below it
                 scores.index_fill_(-1, eos, -torch.inf)
                 continue
