@@ -12,7 +12,8 @@ from conftest import TEST_DEVICE, make_drafter, make_target
 from generation.helpers import PAD, make_batch
 
 from hf_specformer import GQA_SDPA, generate
-from hf_specformer.attention import PACKED_QUERY_LIMIT, packed_query_attention
+from hf_specformer import attention
+from hf_specformer.attention import MATMUL_MIN_ROWS, PACKED_QUERY_LIMIT, grouped_matmul_attention, packed_query_attention
 
 
 def _loaded_with(target, attn_implementation: str):
@@ -56,10 +57,12 @@ def test_masked_multi_query_attention_is_the_targets_own(kind, num_queries, monk
     torch.testing.assert_close(logits, reference, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("packed", [packed_query_attention, grouped_matmul_attention])
 @pytest.mark.parametrize("num_queries", [1, 4, PACKED_QUERY_LIMIT])
-def test_packed_queries_attend_as_repeated_key_value_heads(num_queries):
-    """The packing that serves other devices than the CPU, on `TEST_DEVICE`: each query head attends to its own
-    key/value head under the mask's rows, as `sdpa` on repeated heads."""
+def test_packed_queries_attend_as_repeated_key_value_heads(packed, num_queries):
+    """The packings (through `sdpa` off the CPU, through two products on it from `MATMUL_MIN_ROWS` rows), on
+    `TEST_DEVICE`: each query head attends to its own key/value head under the mask's rows, as `sdpa` on repeated
+    heads."""
     generator = torch.Generator().manual_seed(num_queries)
     batch, heads, kv_heads, columns, dim = 3, 6, 2, 11, 8
     query, key, value = (torch.randn(batch, h, n, dim, generator=generator, dtype=torch.float64).to(TEST_DEVICE)
@@ -70,13 +73,16 @@ def test_packed_queries_attend_as_repeated_key_value_heads(num_queries):
     mask = mask.to(TEST_DEVICE)
     repeated = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value)]
     expected = torch.nn.functional.scaled_dot_product_attention(query, *repeated, attn_mask=mask, scale=0.3)
-    torch.testing.assert_close(packed_query_attention(query, key, value, mask, scaling=0.3), expected,
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(packed(query, key, value, mask, scaling=0.3), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("batch_size", [1, 5])
-def test_speculative_generate_on_a_target_loaded_with_it_equals_plain_generate(kind, batch_size):
+@pytest.mark.parametrize("batch_size", [1, 5, MATMUL_MIN_ROWS + 1])
+def test_speculative_generate_on_a_target_loaded_with_it_equals_plain_generate(kind, batch_size, monkeypatch):
+    """From `MATMUL_MIN_ROWS` rows on the CPU the verification forwards attend through `grouped_matmul_attention`."""
+    products = []
+    monkeypatch.setattr(attention, "grouped_matmul_attention",
+                        lambda *args: products.append(args[0].shape) or grouped_matmul_attention(*args))
     target = make_target(kind)
     target.set_attn_implementation("sdpa")
     grouped = _loaded_with(target, GQA_SDPA)
@@ -88,6 +94,7 @@ def test_speculative_generate_on_a_target_loaded_with_it_equals_plain_generate(k
                       speculation_config={"schedule": "fixed"})
     assert torch.equal(output.sequences, reference)
     assert output.speculation_stats.drafted > 0
+    assert bool(products) == (TEST_DEVICE.type == "cpu" and batch_size >= MATMUL_MIN_ROWS)
 
 
 def test_a_speculative_call_on_an_sdpa_grouped_query_target_says_how_to_avoid_the_copies(monkeypatch):

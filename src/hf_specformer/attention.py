@@ -2,7 +2,9 @@
 
 For several queries per row under a mask (a verification step), `transformers`' `sdpa` copies every layer's whole
 cache H / H_kv times (`repeat_kv`). Here the CPU's kernel takes the mask and the grouped heads directly
-(`enable_gqa`); on other devices, where a masked `enable_gqa` falls back to the math kernel, up to
+(`enable_gqa`), or from `MATMUL_MIN_ROWS` rows under an additive float mask two batched products do
+(`grouped_matmul_attention`: the CPU's flash kernel pays per row and head, where a few queries leave it little to
+do); on other devices, where a masked `enable_gqa` falls back to the math kernel, up to
 `PACKED_QUERY_LIMIT` queries per row (a verification step) each key/value head's queries are packed into one sequence
 (`[B, H, T, D]` -> `[B, H_kv, (H / H_kv) T, D]`, the mask repeated to match), as `transformers` does for one query,
 and longer blocks (a padded prefill) run `transformers`' own function. Outputs equal `sdpa`'s up to summation order.
@@ -21,7 +23,11 @@ GQA_SDPA = "hf_specformer_gqa_sdpa"
 """The name the attention function is registered under with `transformers`' attention and mask interfaces."""
 
 PACKED_QUERY_LIMIT = 8
-"""Up to this many queries per row, each key/value head's queries are packed into one sequence (off the CPU)."""
+"""Up to this many queries per row, each key/value head's queries are packed into one sequence."""
+
+MATMUL_MIN_ROWS = 8
+"""From this many rows, packed queries attend through two batched products on the CPU (float32 or float64 under a
+float mask): below it the flash kernel is as fast or faster (docs/log.md, attention on the CPU)."""
 
 
 def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -32,10 +38,14 @@ def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropou
     delegated = kwargs.get("softcap") or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")
     length = query.shape[2]
     masked_multi_query = groups > 1 and attention_mask is not None and length > 1 and not delegated
-    if masked_multi_query and query.device.type == "cpu":
+    packable = masked_multi_query and length <= PACKED_QUERY_LIMIT and attention_mask.shape[1] == 1
+    on_cpu = query.device.type == "cpu"
+    if packable and on_cpu and _products_serve(query, attention_mask, dropout):
+        output = grouped_matmul_attention(query, key, value, attention_mask, scaling)
+    elif masked_multi_query and on_cpu:
         output = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
-    elif masked_multi_query and length <= PACKED_QUERY_LIMIT and attention_mask.shape[1] == 1:
+    elif packable:
         output = packed_query_attention(query, key, value, attention_mask, dropout, scaling)
     else:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -56,3 +66,22 @@ def packed_query_attention(query, key, value, attention_mask, dropout: float = 0
 
 AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
 AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+
+
+def _products_serve(query, attention_mask, dropout: float) -> bool:
+    """Whether `grouped_matmul_attention` serves packed queries on the CPU (see `MATMUL_MIN_ROWS`)."""
+    floats = (torch.float32, torch.float64)
+    return not dropout and query.shape[0] >= MATMUL_MIN_ROWS and query.dtype in floats and \
+        attention_mask.dtype == query.dtype
+
+
+def grouped_matmul_attention(query, key, value, attention_mask, scaling: float | None = None):
+    """`packed_query_attention` as two batched products and a softmax between them, under an additive float mask
+    `[B, 1, T, S]`: query `[B, H, T, D]`, key and value `[B, H_kv, S, D]` -> `[B, H, T, D]`."""
+    batch, heads, length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    packed = query.reshape(batch, kv_heads, heads // kv_heads * length, head_dim)
+    scores = torch.matmul(packed, key.transpose(2, 3)).mul_(head_dim**-0.5 if scaling is None else scaling)
+    scores = scores.view(batch, kv_heads, heads // kv_heads, length, -1).add_(attention_mask[:, :, None])
+    weights = scores.softmax(-1).view(batch, kv_heads, heads // kv_heads * length, -1)
+    return torch.matmul(weights, value).view(batch, heads, length, head_dim)
