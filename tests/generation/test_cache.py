@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CPU_ONLY, TINY_VOCAB, make_drafter, make_target
-from helpers import make_batch
+from helpers import PAD, assert_same_as_generate, make_batch
 from transformers.cache_utils import DynamicCache
 
 from hf_specformer import SpecFormerProposer
-from hf_specformer.generation.cache import PreallocatedCache, cache_capacity, kv_bytes_per_column
+from hf_specformer.generation.cache import PreallocatedCache, PreallocatedLayer, cache_capacity, kv_bytes_per_column
 from hf_specformer.generation.engine import VOCABULARY_COPIES, slot_bytes
 
 
@@ -83,6 +83,30 @@ def test_rows_appended_to_a_cache_keep_their_columns_and_pad_with_zeros():
     keys = cache.layers[0].keys
     assert keys.shape == (3, 1, 7, 4) and torch.equal(keys[2], second[0]) and not keys[:2, :, 5:].any()
     assert torch.equal(keys[0, :, :5], start[0]) and torch.equal(keys[1, :, :3], first[0])
+
+
+@pytest.mark.parametrize("max_batch_size", [2, None])
+def test_no_column_is_read_before_it_is_written(max_batch_size, monkeypatch):
+    """Buffers filled with NaN where they are allocated (uninitialised memory may hold NaN): a speculative call whose
+    rows join running ones with longer prompts (2 slots, shortest prompts first, the first row ending early) or
+    shorter ones (prefill groups) still equals plain `generate`: attention never reads a column (masked or not)
+    that no forward or padding wrote."""
+    allocate = PreallocatedLayer.lazy_initialization
+
+    def poisoned(layer, *args, **kwargs):
+        allocate(layer, *args, **kwargs)
+        layer.key_buffer.fill_(float("nan"))
+        layer.value_buffer.fill_(float("nan"))
+
+    monkeypatch.setattr(PreallocatedLayer, "lazy_initialization", poisoned)
+    target = make_target("llama")
+    input_ids, mask = make_batch(7, seed=5, min_len=2, max_len=40)
+    order = mask.sum(1).argsort()
+    input_ids, mask = input_ids[order], mask[order]
+    reference = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    assert_same_as_generate(target, make_drafter(target), input_ids, mask, schedule="fixed", max_new_tokens=8,
+                            pad_token_id=PAD, eos_token_id=int(reference[0, input_ids.shape[1] + 1]),
+                            max_batch_size=max_batch_size)
 
 
 def _buffer_bytes(cache: PreallocatedCache) -> int:

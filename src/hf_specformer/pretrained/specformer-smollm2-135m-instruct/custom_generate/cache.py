@@ -36,11 +36,12 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None):
-        """Zeroed buffers for `slots` rows (default: the layer's, else the rows of the first states written)."""
+        """Buffers for `slots` rows (default: the layer's, else the rows of the first states written), left
+        uninitialised: every column attention reads is written first (`update`, `append_rows`)."""
         slots = slots or self.slots or key_states.shape[0]
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer = key_states.new_zeros(slots, key_states.shape[1], self.capacity, key_states.shape[3])
-        self.value_buffer = value_states.new_zeros(slots, value_states.shape[1], self.capacity, value_states.shape[3])
+        self.key_buffer = key_states.new_empty(slots, key_states.shape[1], self.capacity, key_states.shape[3])
+        self.value_buffer = value_states.new_empty(slots, value_states.shape[1], self.capacity, value_states.shape[3])
         self.is_initialized = True
         self._view(key_states.shape[0])
 
