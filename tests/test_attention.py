@@ -13,7 +13,12 @@ from generation.helpers import PAD, make_batch
 
 from hf_specformer import GQA_SDPA, generate
 from hf_specformer import attention
-from hf_specformer.attention import MATMUL_MIN_ROWS, PACKED_QUERY_LIMIT, grouped_matmul_attention, packed_query_attention
+from hf_specformer.attention import (
+    MATMUL_MIN_ROWS,
+    PACKED_QUERY_LIMIT,
+    grouped_matmul_attention,
+    packed_query_attention,
+)
 
 
 def _loaded_with(target, attn_implementation: str):

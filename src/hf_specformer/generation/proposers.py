@@ -61,21 +61,14 @@ class Proposal:
 
 
 class Proposer:
-    """Base class (see the module docstring). Subclasses implement `propose`, and `flush` if they defer work.
+    """Base class (see the module docstring). Subclasses implement `propose`, and `flush` if they defer work."""
 
-    Attributes:
-        num_draft_tokens: k, drafts per row and step.
-        hidden_state_indices: entries of the target's hidden states that `propose` reads (only those are recorded).
-        num_cache_layers: attention layers of the proposer's own cache (0: none).
-        cache_bytes_per_column: bytes one row's column takes in that cache (for memory budgets).
-    """
-
-    hidden_state_indices: frozenset[int] = frozenset()
-    num_cache_layers: int = 0
-    cache_bytes_per_column: int = 0
+    hidden_state_indices: frozenset[int] = frozenset()  # the target's hidden states `propose` reads (recorded)
+    num_cache_layers: int = 0  # attention layers of the proposer's own cache (0: none)
+    cache_bytes_per_column: int = 0  # bytes one row's column takes in that cache (for memory budgets)
 
     def __init__(self, num_draft_tokens: int):
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = num_draft_tokens  # k, drafts per row and step
 
     def propose(self, batch: RaggedBatch, step: TargetStep, caches: list, draft: bool = True,
                 free: bool = True) -> Proposal:

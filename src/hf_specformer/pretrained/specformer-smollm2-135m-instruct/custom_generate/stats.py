@@ -13,37 +13,21 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class SpecStats:
-    """What a call did, summed over rows and steps.
+    """What a call did, summed over rows and steps."""
 
-    Attributes:
-        num_draft_tokens: k.
-        steps: target forwards after the prefill.
-        row_steps: sum over steps of the rows still generating.
-        drafted: drafts verified.
-        accepted: drafts accepted.
-        accepted_at: `[k]` how often drafted position j (0-based) was accepted.
-        width_counts: `[k + 1]` steps whose widest row verified w drafts (w = 0: a plain step).
-        drafting_steps: steps whose drafts the drafter's network made (the others: free drafts or none).
-        looked_up: drafts verified that came from a free source (prompt lookup, suffix drafts, an oracle).
-        predicted_accepted: the scheduler's expected accepted drafts over the drafts verified (0 if not estimated).
-        handoffs: times the guard handed the call over to plain steps.
-        host_reads: device-to-host reads the loop made (one per step, more where rows finish and are reported).
-        tokens_per_row: per row of the call, its committed tokens per step (kappa of that row).
-    """
-
-    num_draft_tokens: int
-    steps: int = 0
-    row_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)
-    width_counts: list[int] = field(default_factory=list)
-    drafting_steps: int = 0
-    looked_up: int = 0
-    predicted_accepted: float = 0.0
-    handoffs: int = 0
-    host_reads: int = 0
-    tokens_per_row: list[float] = field(default_factory=list)
+    num_draft_tokens: int  # k
+    steps: int = 0  # target forwards after the prefill
+    row_steps: int = 0  # sum over steps of the rows still generating
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # drafts accepted
+    accepted_at: list[int] = field(default_factory=list)  # [k] how often drafted position j (0-based) was accepted
+    width_counts: list[int] = field(default_factory=list)  # [k + 1] steps whose widest row verified w (0: plain)
+    drafting_steps: int = 0  # steps whose drafts the drafter's network made (the others: free drafts or none)
+    looked_up: int = 0  # drafts verified that came from a free source (prompt lookup, suffix drafts, an oracle)
+    predicted_accepted: float = 0.0  # the scheduler's expected accepted drafts over those verified (0: none)
+    handoffs: int = 0  # times the guard handed the call over to plain steps
+    host_reads: int = 0  # device-to-host reads (one per step, more where rows finish and are reported)
+    tokens_per_row: list[float] = field(default_factory=list)  # per row of the call, its kappa
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.num_draft_tokens
