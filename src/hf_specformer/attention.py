@@ -64,10 +64,6 @@ def packed_query_attention(query, key, value, attention_mask, dropout: float = 0
     return output.view(batch, heads, length, head_dim)
 
 
-AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
-AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
-
-
 def _products_serve(query, attention_mask, dropout: float) -> bool:
     """Whether `grouped_matmul_attention` serves packed queries on the CPU (see `MATMUL_MIN_ROWS`)."""
     floats = (torch.float32, torch.float64)
@@ -85,3 +81,7 @@ def grouped_matmul_attention(query, key, value, attention_mask, scaling: float |
     scores = scores.view(batch, kv_heads, heads // kv_heads, length, -1).add_(attention_mask[:, :, None])
     weights = scores.softmax(-1).view(batch, kv_heads, heads // kv_heads * length, -1)
     return torch.matmul(weights, value).view(batch, heads, length, head_dim)
+
+
+AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
+AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
