@@ -2,30 +2,12 @@
 
 from .attention import GQA_SDPA
 from .cpu import cpu_products
-from .generation import (
-    OracleProposer,
-    PromptLookupProposer,
-    Proposal,
-    Proposer,
-    RequestOutput,
-    SpecFormerProposer,
-    SpeculationConfig,
-    SpecStats,
-    StepCosts,
-    SuffixIndex,
-    SuffixProposer,
-    TargetStep,
-    generate,
-    generate_batch,
-)
+from .generation import (OracleProposer, PromptLookupProposer, Proposal, Proposer, RequestOutput, SpecFormerProposer,
+                         SpeculationConfig, SpecStats, StepCosts, SuffixIndex, SuffixProposer, TargetStep, generate,
+                         generate_batch)
 from .hub.export import complete_hub_folder
-from .models import (
-    CompanionConfig,
-    CompanionForVerification,
-    SpecFormerConfig,
-    SpecFormerForDrafting,
-    SpecFormerOutput,
-)
+from .models import (CompanionConfig, CompanionForVerification, SpecFormerConfig, SpecFormerForDrafting,
+                     SpecFormerOutput)
 
 # With the package installed, saving a model writes a complete Hub folder (the models do not import `hub`).
 SpecFormerForDrafting.save_hooks.append(complete_hub_folder)

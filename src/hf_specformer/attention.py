@@ -1,13 +1,9 @@
 """Grouped-query attention that reads each key/value head once, for targets loaded with `attn_implementation=GQA_SDPA`.
 
-For several queries per row under a mask (a verification step), `transformers`' `sdpa` copies every layer's whole
-cache H / H_kv times (`repeat_kv`). Here the CPU's kernel takes the mask and the grouped heads directly
-(`enable_gqa`), or from `MATMUL_MIN_ROWS` rows under an additive float mask two batched products do
-(`grouped_matmul_attention`: the CPU's flash kernel pays per row and head, where a few queries leave it little to
-do); on other devices, where a masked `enable_gqa` falls back to the math kernel, up to
-`PACKED_QUERY_LIMIT` queries per row (a verification step) each key/value head's queries are packed into one sequence
-(`[B, H, T, D]` -> `[B, H_kv, (H / H_kv) T, D]`, the mask repeated to match), as `transformers` does for one query,
-and longer blocks (a padded prefill) run `transformers`' own function. Outputs equal `sdpa`'s up to summation order.
+For several queries per row under a mask, `transformers`' `sdpa` copies every layer's cache H / H_kv times. Here, on
+the CPU, the kernel takes the grouped heads (`enable_gqa`), or from `MATMUL_MIN_ROWS` rows two batched products do;
+elsewhere each key/value head's queries are packed into one sequence (up to `PACKED_QUERY_LIMIT` queries per row).
+Outputs equal `sdpa`'s up to summation order.
 
     target = AutoModelForCausalLM.from_pretrained(name, attn_implementation=hf_specformer.GQA_SDPA)
 """

@@ -4,13 +4,9 @@
         target.generate(**inputs)                                   # plain decoding gains too
         hf_specformer.generate(target, **inputs, assistant_model=drafter)
 
-On some CPUs MKL computes a few-row `nn.Linear` (`x @ W^T`) with a packing pass over the whole weight per call,
-where `W @ x^T` streams it once; on others it does not. Up to `FEW_ROWS` rows (`FEW_HEAD_ROWS` for the head) a layer
-runs as `W @ x^T` where that was timed faster for its shape on this CPU (`transposed_is_faster`). Inputs whose mask
-column is 0 (left padding, drafts a step does not verify) are skipped (SV's packed verification, arXiv 2509.24328
-section 6), and `sdpa` attention runs as `attention.GQA_SDPA` (no copies of the key/value heads). Outputs equal the
-models' own up to summation order; only float32/float64 `nn.Linear` layers on the CPU change, and everything is
-restored on exit.
+Up to `FEW_ROWS` rows a float `nn.Linear` runs as `W @ x^T` where that was timed faster on this CPU (some MKL builds
+pack the whole weight per `x @ W^T` call); inputs whose mask column is 0 are skipped (SV's packed verification), and
+`sdpa` attention runs as `GQA_SDPA`. Outputs equal the models' own up to summation order; all is restored on exit.
 """
 
 from __future__ import annotations
@@ -135,9 +131,8 @@ def _takes_few_rows(layer: nn.Linear) -> bool:
 
 @contextlib.contextmanager
 def cpu_products(*models: nn.Module):
-    """Inside the block, the CPU models among `models` (a target and its drafter or companion) run their few-row
-    linear layers as W @ x^T, skip masked inputs, and their `sdpa` attention as masked grouped-query attention (see
-    the module docstring); models elsewhere are left alone."""
+    """Inside the block, the CPU models among `models` (a target and its drafter or companion) run as the module
+    docstring says; models elsewhere are left alone."""
     models = [model for model in models if next(model.parameters()).device.type == "cpu"]
     products, own, handles = _Products(models), [], []
     switched = [m for m in models if getattr(m.config, "_attn_implementation", None) == "sdpa"

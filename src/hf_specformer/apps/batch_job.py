@@ -3,14 +3,9 @@
     hf-specformer generate --prompts questions.jsonl --output answers/           # SmolLM2 + the shipped drafter
     accelerate launch -m hf_specformer.apps.batch_job --prompts ... --output answers/   # one shard per process
 
-Prompts come from any `datasets` source (`--prompts` repeated), wrapped in the target's chat template
-(`--no-chat-template`: raw text), answered with the drafter (prompt lookup, the goodput scheduler, suffix drafts
-with `--suffix-index-tokens` / `--suffix-corpus`) or by plain steps (`--plain`); greedy, or `--do-sample`. Jobs run
-on continuous batching (`generate_batch`, `--batch-size` slots; `--static`: static batches). Every answer is
-appended to `<output>/progress/` as it finishes (`data/records.py`), so a restart skips what is done; under
-`accelerate launch` each process answers its share. The result: `<output>/dataset` and `generations.jsonl`. A
-sampled answer is seeded by (seed, its prompt's id) alone, so a continuous run repeats exactly whatever its batch
-size or interruptions (a static batch by its first prompt's id).
+Prompts from any `datasets` source, in the chat template, answered with the drafter (or `--plain`) on continuous
+batching (`--static`: static batches); each answer is saved as it finishes, so a restart skips what is done. The
+result: `<output>/dataset` and `generations.jsonl` (`data/answering.py`).
 """
 
 from __future__ import annotations
@@ -69,10 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def seeded_suffix_index(corpus: str | os.PathLike | None = None,
                         max_tokens: int = MAX_INDEX_TOKENS) -> SuffixIndex:
-    """A `SuffixIndex` keeping `max_tokens` tokens of what is generated, first seeded with the replies of the distilled
-    data folder `corpus` (`load_distilled`): the target's own answers to earlier prompts, as SuffixDecoding's global
-    tree holds past outputs. The corpus is kept on top of `max_tokens`; being the oldest, it is what goes first once
-    more than `max_tokens` tokens have been generated. None: an empty index."""
+    """A `SuffixIndex` of `max_tokens` generated tokens, seeded with the replies of the distilled data `corpus` (the
+    target's past answers, as SuffixDecoding's global tree; the oldest, so the first to go)."""
     from ..training.data import load_distilled, reply_sequences
 
     replies = [] if corpus is None else reply_sequences(load_distilled(corpus))
@@ -107,11 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"No drafter is shipped for {args.target}: pass --drafter DIR (trained with "
                          "`hf-specformer train`), or --plain.")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-        do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        chat_template=args.chat_template, continuous=not args.static, memory_budget_gib=args.memory_budget_gib,
-    )
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                                  batch_size=args.batch_size, do_sample=args.do_sample, temperature=args.temperature,
+                                  top_p=args.top_p, seed=args.seed, chat_template=args.chat_template,
+                                  continuous=not args.static, memory_budget_gib=args.memory_budget_gib)
     prompts = load_prompts(args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit,
                            shuffle_seed=args.seed if args.shuffle else None, exclude_overlap=args.exclude_overlap)
     target, tokenizer = target_from_args(args, process_state().device)

@@ -3,20 +3,10 @@
     hf-specformer bench --batch-sizes 1 4 8 16 32 64 --output bench/smollm2_cpu        # SmolLM2 + the shipped drafter
     hf-specformer bench --host-overhead --output bench/host_overhead                     # the loop's own cost
 
-Per batch size B, the prompts are cut into batches of B and every batch runs each call in turn (plain `generate`,
-then the others; every second round in reverse order, so a slow phase of a shared machine hits them alike). On the
-CPU the baselines are plain `generate` and plain `generate` under the CPU backend (`cpu_products`), and ours runs
-under it too. Reported per B and call: seconds, tokens/s (new tokens up to EOS, of the plain output), speedup over
-each baseline, kappa, widths chosen, hand-offs, and rows that differ from plain `generate` (each classified as a
-low-precision tie or a bug, `ties.py`).
-
-`--host-overhead` measures what the loop costs the host, on a tiny random Llama (4 layers, hidden 64, vocabulary
-1,024, float32, one thread), where a forward's time is nearly all Python and dispatch, as a GPU's small-batch step
-is: perfect drafts (`OracleProposer`, fixed k = 3; also on the target loaded with `attention.GQA_SDPA`, which
-verifies without copying key/value heads), an engine whose proposer drafts nothing, and k = 0, against plain
-`generate`, with each call's time per forward split into the target's forward, drafting and the rest.
-
-Writes `<output>.json` and `<output>.png`. The commands behind the reports in `bench/` are in docs/results.md.
+Every batch of B prompts runs each call in turn (every second round reversed), against plain `generate` and, on the
+CPU, plain `generate` under `cpu_products`: seconds, tokens/s, speedups, kappa, and rows that differ (a tie or a bug,
+`ties.py`). `--host-overhead` times the loop on a tiny random Llama, where a step is nearly all host time, as a
+GPU's small-batch step is, split into the target's forward, drafting and the rest. Writes `<output>.json` and `.png`.
 """
 
 from __future__ import annotations
@@ -199,9 +189,8 @@ def tiny_target(seed: int = 0):
 
 
 def host_overhead(batch_sizes: list[int], new_tokens: int = 64, prompt_length: int = 32, repeats: int = 15) -> list:
-    """Per batch size: plain `generate`, perfect drafts (k = 3; also on the target loaded with `GQA_SDPA`), an engine
-    proposing nothing, and k = 0, alternated `repeats` times in shuffled orders; medians of each call's seconds, its
-    time per target forward and the share of each phase."""
+    """Per batch size: plain `generate`, perfect drafts (k = 3, also under `GQA_SDPA`), no drafts and k = 0, in
+    shuffled orders `repeats` times; medians of seconds and of each phase's time per target forward."""
     torch.set_num_threads(1)
     target, grouped = tiny_target(), tiny_target()
     grouped.set_attn_implementation(GQA_SDPA)

@@ -1,11 +1,8 @@
 """The main job on the embedded default: SmolLM2-135M-Instruct with the shipped SpecFormer drafter, against plain
 `generate`, on a fixed mixed set of prompts (chat, a summary and a question over a long passage, code).
 
-Two jobs, each timed against plain `generate` on the same prompts: every prompt alone (B = 1), and a continuous
-batch job (`generate_batch`, `--slots` rows at once, prompts joining as others finish) against plain `generate` in
-static batches of as many rows. On the CPU the second baseline is plain `generate` under the CPU backend
-(`cpu_products`), which speculation runs under too. Prints a table, checks that every output is plain `generate`'s,
-and saves a plot (`outputs/demo.png`).
+Every prompt alone (B = 1), and a continuous batch job against static batches of plain `generate` (on the CPU also
+under `cpu_products`); prints a table, checks every output and saves `outputs/demo.png`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,8 @@
 
     hf-specformer eval-drafter [--drafter DIR] [--target T] [--prompts F ...] [--with-lookup] [--with-suffix] --output E
 
-Each prompt's plain greedy answer (B = 1, chat template) is scored teacher-forced (`training.evaluation`) and live
-(speculative `generate`, fixed k, lookup off, output checked against the plain answer): per-slot acceptance and
-kappa. Both read the same drafter on the same states, so a gap above `MAX_GAP` is a bug. `causes_table` splits a
-low slot 1 by its causes; `--with-lookup` / `--with-suffix` add live runs with prompt lookup / suffix drafts, and the
-teacher-forced best of drafter and lookup per step (`BEST_OF_LOOKUP`). Groups: the prompts' `category`, else their
-file's name. Writes `<output>.json` and `<output>.png`.
+Each prompt's plain greedy answer is scored teacher-forced and live (fixed k, lookup off, output checked): per-slot
+acceptance and kappa per category; a gap between them above `MAX_GAP` is a bug. Writes `<output>.json` and `.png`.
 """
 
 from __future__ import annotations
@@ -133,10 +129,8 @@ def table(report: dict) -> str:
 
 
 def causes_table(report: dict) -> str:
-    """Teacher-forced slot-1 accuracy per group against what bounds it: the share of labels in the draft vocabulary,
-    the target's mean probability of its own token, and the accuracy within each bin of that probability
-    (`training.evaluation.confidence_bins`), so a group whose text is harder can be told from one the drafter has
-    not learnt."""
+    """Teacher-forced slot-1 accuracy per group beside what bounds it (draft-vocabulary coverage, the target's own
+    confidence and the accuracy per bin of it): harder text told apart from what the drafter has not learnt."""
     bins = next(iter(report.values()))["teacher_forced"]["slot1_by_target_confidence"]
     header = ("| group | slot-1 accuracy | in draft vocabulary | target's confidence | " +
               " | ".join(f"accuracy where p in [{b['low']:.2f}, {b['high']:.2f}] (share)" for b in bins) + " |")

@@ -3,13 +3,9 @@
     hf-specformer serve                                    # SmolLM2 + the shipped drafter on 127.0.0.1:8000
     curl localhost:8000/v1/chat/completions -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 
-One engine thread runs a `generate` call whose `RowFeed` (`Engine`) takes requests between steps (continuous batching
-with speculation), hands each step's tokens to the requests' asyncio queues and frees the slot of a request whose
-client left. FastAPI on uvicorn serves `POST /v1/chat/completions` and `/v1/completions` (streamed as server-sent
-events, or whole), `GET /v1/models`, `/health` and `/metrics` (Prometheus' text format). Per request: `max_tokens`,
-`stop`, `temperature` (0: greedy, equal to plain `generate`), `top_p` and `seed` (a seeded answer does not depend on
-the requests it shared a batch with). Errors have OpenAI's shape; `--api-key` (or `HF_SPECFORMER_API_KEY`) guards
-every endpoint but `/health`; SIGTERM stops taking requests and drains those in flight.
+One engine thread runs a `generate` call whose `RowFeed` (`Engine`) takes requests between steps and hands each
+step's tokens to the requests' asyncio queues. FastAPI serves `/v1/chat/completions` and `/v1/completions` (streamed
+or whole), `/v1/models`, `/health` and `/metrics`; docs/serving.md lists the options.
 """
 
 from __future__ import annotations

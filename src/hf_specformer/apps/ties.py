@@ -1,10 +1,8 @@
 """Classifying greedy mismatches between speculative and plain decoding in low precision: a tie or a bug.
 
-In bfloat16 a forward of k + 1 tokens and one of 1 token round differently, so where the target's two best tokens are
-nearly tied the argmax can flip: both outputs are correct greedy decodings up to the precision. A bug instead picks
-a token the target clearly does not rank first. `classify_mismatch` reruns the target alone on the common prefix and
-calls a mismatch a tie when both tokens' logits are within `TIE_ULPS` ulps of the best (vLLM and SGLang compare
-low-precision outputs by text similarity instead).
+In bfloat16 a forward of k + 1 tokens rounds differently from one of 1 token, so a near tie can flip the argmax.
+`classify_mismatch` reruns the target on the common prefix: a tie when both tokens are within `TIE_ULPS` ulps of the
+best logit, else a bug.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ def tie_tolerance(dtype: torch.dtype, best_logit: float) -> float:
 
 @dataclass
 class Mismatch:
-    """The first difference between two outputs of one prompt: where among the new tokens, the two tokens (plain,
-    speculative), the best logit minus the lower of theirs (the target alone on the common prefix), the tolerance
-    there, and whether that makes a tie."""
+    """The first difference between two outputs of one prompt, its logit gap, the tolerance and the verdict."""
 
     position: int
     expected: int
@@ -41,10 +37,8 @@ class Mismatch:
 
 
 @torch.no_grad()
-def classify_mismatch(
-    target, prompt_ids: torch.LongTensor, prompt_mask: torch.Tensor, expected: torch.LongTensor,
-    actual: torch.LongTensor, pad_token_id: int | None = None,
-) -> Mismatch | None:
+def classify_mismatch(target, prompt_ids: torch.LongTensor, prompt_mask: torch.Tensor, expected: torch.LongTensor,
+                      actual: torch.LongTensor, pad_token_id: int | None = None) -> Mismatch | None:
     """prompt_ids, prompt_mask `[P]` (left padded), expected and actual `[N]` new tokens of one row -> the first
     mismatch, or None when they agree (positions where both rows hold `pad_token_id` after their end are equal)."""
     differs = (expected != actual).nonzero().flatten()

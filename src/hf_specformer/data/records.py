@@ -1,9 +1,5 @@
-"""Resumable JSONL records: what the long generation jobs (`generate`, `distill`, `synthesize`) write as they go.
-
-Each finished batch is appended as JSON lines (flushed and fsynced); a restart drops a last line cut by a kill and
-skips the work done. `meta.json` says which run wrote them, and a resumed run must match it. Process r of
-`accelerate launch` appends to its own file, and every file is read back, so any number of processes may resume.
-"""
+"""Resumable JSONL records of the long generation jobs: appended and fsynced as they finish, one file per process,
+a last line cut by a kill dropped on reading; `meta.json` says which run wrote them."""
 
 from __future__ import annotations
 
@@ -103,9 +99,7 @@ def append_records(path: str, records: list[dict]) -> None:
 
 
 def replace_folder(write, final: str) -> None:
-    """Calls `write(temporary_folder)` and then puts that folder at `final` in one rename, replacing an earlier
-    one whole: a kill leaves the old folder or the new one, plus at most a `.tmp-*` folder that
-    `remove_leftovers` deletes."""
+    """Calls `write(temporary_folder)`, then renames it to `final`: a kill leaves the old folder or the new one."""
     parent = os.path.dirname(os.path.abspath(final))
     temporary = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     write(temporary)

@@ -1,11 +1,7 @@
-"""Acceptance estimates of drafts, what the goodput scheduler weighs (Speculative Verification, arXiv 2509.24328,
-eq. 3-4): q_{b,j}, the chance that drafts 1..j of row b are all accepted, so verifying slot j adds q_{b,j} expected
-tokens. Signals: `confidence` (the drafter's probability of its draft) or `sv`, SV's pair from a companion's P_c:
-S = sum_v min(P_d(v), P_c(v)) and A = min(1, P_c(d) / P_d(d)).
-
-An `AcceptanceTable` maps a binned signal to a conditional rate per draft source and slot; offline counts are a prior
-of at most `PRIOR_TRIALS` drafts per bin, and each call adds what its verifications observe, so an unlike domain moves
-the estimates within a few dozen drafts.
+"""Acceptance estimates (Speculative Verification, arXiv 2509.24328, eq. 3-4): q_{b,j}, the chance that drafts 1..j
+of row b are all accepted, from `confidence` (P_d(d)) or `sv`, a companion's S = sum_v min(P_d(v), P_c(v)) and
+A = min(1, P_c(d) / P_d(d)). An `AcceptanceTable` maps binned signals to rates per source and slot; its offline
+counts are a prior that each call's observations move.
 """
 
 from __future__ import annotations
@@ -13,8 +9,7 @@ from __future__ import annotations
 import torch
 
 DRAFTER, LOOKUP, NO_DRAFT = 0, 1, 2
-"""Draft sources: the drafter's network, a free source of fixed drafts (prompt lookup, suffix drafts, an oracle), or
-no draft at that position (estimated 0)."""
+"""Draft sources: the drafter's network, a free source of fixed drafts (lookup, suffix, an oracle), or none."""
 
 NUM_SOURCES = 2
 PRIOR_TRIALS = 32.0
@@ -31,9 +26,8 @@ SIGNALS = {"confidence": 1, "sv": 2}
 
 
 def draft_confidence(draft_probs: torch.Tensor, draft_ids: torch.LongTensor, sampled: bool = False) -> torch.Tensor:
-    """`[B, k, V]`, `[B, k]` -> `[B, k]` q_j(d_j), or for `sampled` drafts its expectation sum_v q_j(v)^2: how many
-    drafts a row verifies must not depend on which tokens were sampled, or the output leaves the target's
-    distribution (chi-square p < 1e-5 on the sampling test)."""
+    """`[B, k, V]`, `[B, k]` -> `[B, k]` q_j(d_j), or for `sampled` drafts its expectation sum_v q_j(v)^2 (what a row
+    verifies must not depend on the tokens sampled, or the output leaves the target's distribution)."""
     if sampled:
         return draft_probs.square().sum(-1)
     return draft_probs.gather(2, draft_ids[..., None]).squeeze(2)
@@ -52,9 +46,8 @@ def sv_features(draft_probs, companion_probs, draft_ids, sampled: bool = False) 
 
 def draft_features(signal: str, draft_probs, draft_ids, sources, companion_probs=None, sampled: bool = False,
                    fixed_confidence=None) -> torch.Tensor:
-    """The signal of each draft `[B, k, F]`. A fixed (looked-up) draft's distribution is one-hot: its confidence is
-    1, or what its source says (`fixed_confidence` `[B, k]`), and its (S, A) are both P_c(d). `draft_probs` `[B, k,
-    V]` is None where the network did not draft."""
+    """The signal of each draft `[B, k, F]`; a fixed draft is one-hot: confidence 1 (or `fixed_confidence` `[B, k]`),
+    (S, A) both P_c(d). `draft_probs` `[B, k, V]`: None where the network did not draft."""
     lookup = (sources == LOOKUP)[..., None]
     if signal == "sv":
         p_c = companion_probs.gather(2, draft_ids[..., None]).float()
@@ -73,11 +66,9 @@ def uniform_edges(num_bins: int) -> list[float]:
 
 
 class AcceptanceTable:
-    """P(accept | source, slot, binned signal): prior rates and weights plus online counts, all
-    `[NUM_SOURCES, num_slots, *bins]`; an estimate is (accepted + prior_trials * prior_rate) / (verified +
-    prior_trials). Default prior: each bin's centre of the last feature, weighing `DEFAULT_PRIOR_TRIALS` drafts.
-    `expected_accepted` `[num_slots + 1]` is E_w, the expected accepted drafts per row when verifying w, on the
-    calibration data (None: unknown)."""
+    """P(accept | source, slot, binned signal) = (accepted + prior_trials * prior_rate) / (verified + prior_trials),
+    all `[NUM_SOURCES, num_slots, *bins]` (default prior: each bin's centre). `expected_accepted` `[num_slots + 1]`:
+    E_w, accepted drafts per row when verifying w, on the calibration data (None: unknown)."""
 
     def __init__(self, signal: str, edges: list[list[float]], num_slots: int, prior_rate=None, prior_trials=None,
                  expected_accepted: list[float] | None = None):
@@ -152,8 +143,7 @@ class AcceptanceTable:
 
 
 def observed_outcomes(num_accepted: torch.LongTensor, num_drafts: torch.LongTensor | int, k: int):
-    """What a verification tells about each draft: `[B, k]` observed (verified, every earlier draft accepted) and
-    accepted (`num_drafts` `[B]`, or one count for every row)."""
+    """`[B, k]` observed (verified after accepted drafts) and accepted drafts of a verification."""
     positions = torch.arange(k, device=num_accepted.device)[None, :]
     verified = num_drafts[:, None] if isinstance(num_drafts, torch.Tensor) else num_drafts
     observed = (positions <= num_accepted[:, None]) & (positions < verified)
@@ -173,8 +163,7 @@ class AcceptanceEstimator:
 
     def estimate(self, draft_probs, draft_ids, sources, companion_probs=None, sampled: bool = False,
                  fixed_confidence=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (q `[B, k]`, the chance that drafts 1..j are all accepted, 0 from a position without a draft on; the
-        drafts' signals `[B, k, F]`, for `observe`); arguments as `draft_features`."""
+        """-> (q `[B, k]`, 0 from a position without a draft on; the signals `[B, k, F]`), as `draft_features`."""
         batch, k = draft_ids.shape
         features = draft_features(self.signal, draft_probs, draft_ids, sources, companion_probs, sampled,
                                   fixed_confidence)

@@ -1,13 +1,8 @@
 """The ragged batch: per-row tokens, cache validity and positions, and the rows waiting for a slot.
 
-Every row feeds the same number of inputs and the cache grows by that many columns for all rows; columns of rejected
-drafts are *holes*, hidden by the validity mask, and positions come from each row's count of valid entries:
-
-    row 0: [t, d1, d2] accepts 2 -> mask 1 1 1, position +3      row 1: [t, d1, d2] accepts 0 -> mask 1 0 0, +1
-
-`compact` squeezes holes out; finished rows stay as padding until the batch can shrink (`padded_batch_size`); waiting
-rows join through `admission` and `join`. `tokens[b]`: the left-padded prompt, the generated tokens, then scratch
-where drafts are written so logits processors read a row's exact prefix.
+Every row feeds the same number of inputs; columns of rejected drafts are *holes* hidden by the validity mask, and
+positions count each row's valid entries (row 0 accepts 2 of [t, d1, d2]: mask 1 1 1, +3; row 1 none: 1 0 0, +1).
+`compact` squeezes holes out; finished rows stay as padding until the batch can shrink.
 """
 
 from __future__ import annotations
@@ -18,13 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 ADMISSION_SHARE = 8
-"""Waiting rows are admitted once 1 / ADMISSION_SHARE of the slots are free: an admission costs a forward call and a
-copy of the new rows' caches, which admitting row by row would pay per row."""
+"""Waiting rows are admitted once 1 / ADMISSION_SHARE of the slots are free: each admission costs a prefill call."""
 
 
 def padded_batch_size(num_live: int) -> int:
-    """Rows kept while `num_live` still generate: a power of two up to 8, a multiple of 8 above (0 for none). A step
-    of 3 or 7 rows costs no less than one of 4 or 8 (kernels tile rows), and fewer shapes mean fewer graphs."""
+    """Rows kept while `num_live` still generate: a power of two up to 8, a multiple of 8 above (kernels tile rows,
+    and fewer shapes mean fewer graphs)."""
     if num_live <= 8:
         return 1 << (num_live - 1).bit_length() if num_live else 0
     return -(-num_live // 8) * 8
@@ -60,8 +54,7 @@ class RaggedBatch:
     @classmethod
     def start(cls, input_ids, attention_mask, max_new_tokens: int, new_columns: int, slots: int, capacity: int,
               pad_token_id: int):
-        """A batch with no active rows yet, for prompts `[B0, P]` (left padded; mask None: no padding) that may each
-        generate `max_new_tokens`; the token buffer holds `new_columns` beyond the prompt."""
+        """A batch with no active rows yet, for left-padded prompts `[B0, P]`; tokens hold `new_columns` more."""
         device = input_ids.device
         tokens = torch.full((input_ids.shape[0], input_ids.shape[1] + new_columns), pad_token_id, device=device)
         tokens[:, : input_ids.shape[1]] = input_ids
@@ -84,8 +77,7 @@ class RaggedBatch:
         return self.valid[: self.size, : self.columns]
 
     def admission(self, rows: list[int]) -> "RaggedBatch":
-        """The waiting `rows` alone, for their prefill: shares `tokens` and `num_generated`; its mask is their
-        prompts' last W columns (W: their longest prompt), which `commit_prompt` validates."""
+        """The waiting `rows` alone, for their prefill over their prompts' last W columns (W: the longest)."""
         row_ids = torch.tensor(rows, device=self.tokens.device)
         width = max(1, max(self.prompt_lengths[row] for row in rows))
         zeros = torch.zeros_like(row_ids)
@@ -95,9 +87,8 @@ class RaggedBatch:
                            [False] * len(rows), len(rows), 0, self.prompt_width, self.prompt_width, self.positions)
 
     def prefill_groups(self, rows: list[int]) -> list[list[int]]:
-        """`rows` to admit in groups of one prefill forward each, longest prompts first: a row joins a group whose
-        longest prompt is at most twice its own, so padding stays under half of any prefill (one forward over
-        prompts of 50 and 1,250 tokens would compute 1,250 for each)."""
+        """`rows` in groups of one prefill each, longest first, a group's prompts within twice each other's lengths
+        (padding stays under half a prefill)."""
         groups: list[list[int]] = []
         for row in sorted(rows, key=lambda r: -self.prompt_lengths[r]):
             if groups and 2 * self.prompt_lengths[row] >= self.prompt_lengths[groups[-1][0]]:
@@ -107,8 +98,7 @@ class RaggedBatch:
         return [sorted(group, key=rows.index) for group in groups]
 
     def add_prompts(self, rows: list[int], prompts: list[list[int]], max_new: list[int]) -> None:
-        """Writes `prompts` (at most P tokens each), left padded, into the call's `rows` (rows that ended, or new ones
-        beyond B0), each with its own limit of new tokens."""
+        """Writes `prompts` (at most P tokens each), left padded, into the call's `rows`, growing the call's rows."""
         grow = max(rows) + 1 - len(self.tokens)
         if grow > 0:
             self.prompt_lengths += [0] * grow
@@ -153,11 +143,9 @@ class RaggedBatch:
         return self.prompt_width + self.num_generated[self.row_ids]
 
     def step_mask(self, verified: torch.Tensor | int, shape: str = "2d", dtype: torch.dtype | None = None):
-        """The forward's mask: the cache's validity, then 1 at the T new inputs a row verifies (`verified` `[B, T]`,
-        or T: every row verifies all; the others are never read, so no input need attend to them). `shape` "2d":
-        `[B, S + T]`; "float": `[B, 1, T, S + T]`, causal among the new inputs, additive in `dtype` (what `sdpa` and
-        `eager` take: `transformers` need not build it per forward, nor `sdpa` convert a boolean one per layer). With
-        no holes and T for every row: None for one input (every column valid), else the causal pattern alone."""
+        """The forward's mask over the cache and the T new inputs a row verifies (`verified` `[B, T]`, or T for all):
+        "2d" `[B, S + T]`, or "float" `[B, 1, T, S + T]`, causal and additive in `dtype`; None for one input without
+        holes."""
         start, num_inputs = self.columns, verified if isinstance(verified, int) else verified.shape[1]
         if isinstance(verified, int) and self.min_length == start and (num_inputs == 1 or shape == "float"):
             return None if num_inputs == 1 else \
@@ -170,8 +158,7 @@ class RaggedBatch:
         return causal.masked_fill(mask[:, None, None, :] == 0, torch.finfo(dtype).min)
 
     def _causal(self, num_inputs: int, dtype: torch.dtype) -> torch.Tensor:
-        """`[T, C + T]` (C = capacity), additive in `dtype`: input t attends to columns up to C + t; the last S + T
-        columns serve a step at column S. Built once per T for the call."""
+        """`[T, C + T]` additive causal mask (C = capacity); its last S + T columns serve a step at column S."""
         if (num_inputs, dtype) not in self.causal:
             capacity = self.valid.shape[1]
             columns = torch.arange(capacity + num_inputs, device=self.valid.device)
@@ -188,8 +175,7 @@ class RaggedBatch:
         self.lengths = self.lengths + num_valid
 
     def write(self, tokens: torch.LongTensor, offset: int = 0, generated: torch.LongTensor | None = None) -> None:
-        """Writes `[B, n]` tokens right after each active row's committed prefix (+ offset), uncommitted;
-        `generated`: the rows' `num_generated` where the caller has it."""
+        """Writes `[B, n]` tokens, uncommitted, after each active row's prefix (+ offset)."""
         generated = self.num_generated[self.row_ids] if generated is None else generated
         columns = (generated + (self.prompt_width + offset))[:, None] + self.positions[: tokens.shape[1]]
         self.tokens[self.row_ids[:, None], columns] = tokens
@@ -204,15 +190,14 @@ class RaggedBatch:
         self.min_prefix += 1  # every live row commits at least one token
 
     def next_tokens(self, last_accepted: torch.LongTensor, num_inputs: int) -> torch.LongTensor:
-        """After a forward of T inputs and its commit: `[B, T]` the token after each input, where `last_accepted`
-        `[B]` is each row's last accepted input. Later entries read scratch; they belong to rejected inputs."""
+        """After a forward of T inputs and its commit: `[B, T]` the token after each input (scratch after the last
+        accepted one, `last_accepted` `[B]`)."""
         start = self.prefix_lengths() - 1 - last_accepted
         columns = start[:, None] + torch.arange(num_inputs, device=start.device)
         return self.tokens[self.row_ids[:, None], columns.clamp(max=self.tokens.shape[1] - 1)]
 
     def select_rows(self, keep: list[int]) -> torch.LongTensor:
-        """Keeps the active rows `keep` (indices into the active rows, on the host); none left: no columns either.
-        Returns `keep` on the device, for the caches."""
+        """Keeps the active rows `keep` (host indices); returns them on the device, for the caches."""
         index = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
         self.valid[: len(keep)] = self.valid[index]
         self.row_ids, self.lengths, self.finished = self.row_ids[index], self.lengths[index], self.finished[index]
@@ -235,8 +220,7 @@ class RaggedBatch:
         return [i for i, done in enumerate(self.host_finished) if not done]
 
     def removable_fraction(self) -> float:
-        """Share of the used columns beyond the longest row's valid entries (what `compact` removes; shorter rows'
-        holes stay, as a cache is rectangular)."""
+        """Share of the used columns beyond the longest row's valid entries (what `compact` removes)."""
         return 1.0 - self.max_length / max(self.columns, 1)
 
     def compaction_index(self) -> torch.LongTensor:
@@ -278,9 +262,8 @@ class Admissions:
 
 @dataclass(eq=False)
 class NewRow:
-    """A request joining a running call through its `RowFeed`: its prompt, its own limit of new tokens, and how its
-    tokens are chosen (temperature 0: greedy; else sampling seeded by `seed`). `row`: its index among the call's
-    rows, set when the engine takes it. A row given as joining and cancelled in one poll is not taken."""
+    """A request joining a running call through its `RowFeed` (temperature 0: greedy; else sampling seeded by
+    `seed`); `row`, its index among the call's rows, is set when the engine takes it."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -291,9 +274,8 @@ class NewRow:
 
 
 class RowFeed:
-    """A `row_finished` callback that keeps a call running (`generate(row_finished=feed)`, a server's engine): the
-    call starts with `initial_rows` (those of `input_ids`), takes rows that join and rows to cancel between steps,
-    tells each step's tokens (`committed`) and each row's end (`__call__`, with a `FinishedRow`)."""
+    """A `row_finished` callback that keeps a call running (a server's engine): rows join and are cancelled between
+    steps (`poll`), each step's tokens are told (`committed`) and each row's end (`__call__`)."""
 
     def __init__(self, initial_rows: list[NewRow]):
         self.initial_rows = initial_rows
@@ -302,8 +284,7 @@ class RowFeed:
         """The call's row `row.row` ended (`FinishedRow`)."""
 
     def poll(self, idle: bool) -> tuple[list[NewRow], list[NewRow]] | None:
-        """(rows joining, rows to cancel); while `idle` (nothing runs or waits) it may wait for some. None: no row
-        will come any more, and the call ends once idle."""
+        """(rows joining, rows to cancel), which it may wait for while `idle`; None: the call ends once idle."""
         return None
 
     def committed(self, rows: list[int], tokens: list[list[int]]) -> None:

@@ -1,9 +1,5 @@
-"""A KV cache allocated once per call, whose rows and columns the engine moves in place.
-
-`DynamicCache` concatenates each forward's columns onto every layer's whole cache; `PreallocatedCache` allocates
-`[slots, H, capacity, D]` per layer once and writes new columns in place, attention reading a view of the used ones.
-Sliding-window layers are served as full ones: the engine runs such a target only while its cache fits the window.
-"""
+"""A KV cache allocated once per call (`[slots, H, capacity, D]` per layer), written in place where `DynamicCache`
+concatenates; sliding-window layers are served as full ones, only while the cache fits the window."""
 
 from __future__ import annotations
 
@@ -12,8 +8,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 def cache_capacity(prompt_width: int, max_new_tokens: int, num_draft_tokens: int) -> int:
-    """Columns a call's caches hold: the prompt, the new tokens, one step of drafts, and as many again for holes
-    (rejected drafts) before compaction must make room."""
+    """Columns a call's caches hold: the prompt, and twice the new tokens and a step's drafts (room for holes)."""
     return prompt_width + 2 * (max_new_tokens + num_draft_tokens + 1)
 
 
@@ -25,8 +20,7 @@ def kv_bytes_per_column(config, num_layers: int, dtype: torch.dtype) -> int:
 
 
 class PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values in buffers `[slots, H, capacity, D]`; `keys`/`values` are views of the active
-    rows' used columns `[B, H, length, D]`. `slots` None: as many as the rows of the first states written."""
+    """One layer's keys and values in buffers `[slots, H, capacity, D]`; `keys`/`values` view the used columns."""
 
     def __init__(self, capacity: int, is_sliding: bool = False, slots: int | None = None):
         super().__init__()
@@ -36,8 +30,7 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None):
-        """Buffers for `slots` rows (default: the layer's, else the rows of the first states written), left
-        uninitialised: every column attention reads is written first (`update`, `append_rows`)."""
+        """Buffers for `slots` rows, uninitialised: every column attention reads is written first."""
         slots = slots or self.slots or key_states.shape[0]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.key_buffer = key_states.new_empty(slots, key_states.shape[1], self.capacity, key_states.shape[3])
@@ -46,7 +39,7 @@ class PreallocatedLayer(DynamicLayer):
         self._view(key_states.shape[0])
 
     def _view(self, batch: int) -> None:
-        """`rows`: the buffers' first `batch` rows `[B, H, capacity, D]`, kept between forwards (fewer ops a step)."""
+        """`rows`: the buffers' first `batch` rows `[B, H, capacity, D]`, kept between forwards."""
         self.rows = (self.key_buffer[:batch], self.value_buffer[:batch])
         self.keys, self.values = (rows[:, :, : self.length] for rows in self.rows)
 
@@ -93,9 +86,8 @@ class PreallocatedLayer(DynamicLayer):
             self._view(indices.numel())
 
     def append_rows(self, other: "PreallocatedLayer", slots: int) -> None:
-        """Appends `other`'s rows `[n, H, L', D]` after the active rows `[B, H, L, D]`, column by column, both
-        padded with zeros to max(L, L') columns (masked, and zeros rather than stale memory, which a masked softmax
-        weight of 0 would still turn into NaN where it held NaN). Buffers hold `slots` rows."""
+        """Appends `other`'s rows after the active ones, both padded with zeros (masked, but a NaN of stale memory
+        would survive a softmax weight of 0) to the longer's columns."""
         if not other.is_initialized:
             return
         if not self.is_initialized:
@@ -125,14 +117,8 @@ class PreallocatedLayer(DynamicLayer):
 
 
 class PreallocatedCache(Cache):
-    """A `Cache` of `PreallocatedLayer`s (see the module docstring).
-
-    Args:
-        num_layers: the model's attention layers.
-        capacity: columns each layer holds.
-        sliding: per layer, whether it is a sliding-window one (default: none).
-        slots: rows each layer holds (None: the rows of the first states written).
-    """
+    """A `Cache` of `num_layers` `PreallocatedLayer`s of `capacity` columns and `slots` rows (None: those of the
+    first states written); `sliding`: per layer, whether it is a sliding-window one."""
 
     def __init__(self, num_layers: int, capacity: int, sliding: list[bool] | None = None, slots: int | None = None):
         sliding = sliding or [False] * num_layers
@@ -141,7 +127,7 @@ class PreallocatedCache(Cache):
 
     @classmethod
     def like(cls, cache: Cache, num_layers: int, capacity: int, slots: int | None = None) -> "PreallocatedCache":
-        """A preallocated cache with the layer kinds of `cache` (a fresh `DynamicCache`; lazily built: all full)."""
+        """A preallocated cache with the layer kinds of `cache` (a fresh `DynamicCache`)."""
         sliding = [bool(getattr(layer, "is_sliding", False)) for layer in cache.layers] or None
         return cls(len(cache.layers) or num_layers, capacity, sliding, slots)
 

@@ -1,9 +1,5 @@
-"""`generate_batch`: many requests in one speculative call with continuous batching, one output per request.
-
-transformers' `model.generate_batch(inputs, generation_config)` keeps its slots busy but takes no assistant model.
-This takes the same inputs (token-id lists of any lengths) and runs them through speculative `generate` with
-`max_batch_size` slots: waiting requests are admitted as others finish, and each request's output is handed to
-`on_output` the step it finishes. Greedy outputs equal plain `generate`'s for each prompt.
+"""`generate_batch`: many requests in one speculative call with continuous batching (transformers' own takes no
+assistant model); each output is handed over the step it finishes, greedy ones equal to plain `generate`'s.
 """
 
 from __future__ import annotations
@@ -29,20 +25,12 @@ FINISH_REASONS = ("eos", "length", "stop")
 
 @dataclass
 class RequestOutput:
-    """One request's result.
-
-    Attributes:
-        prompt_ids: the request's prompt.
-        generated_tokens: the tokens generated after it (its end-of-sequence token included, if it ended on one).
-        finish_reason: one of `FINISH_REASONS`.
-        steps: target forwards that verified this request's drafts (its prefill is not one).
-        accepted_drafts: drafts of this request that were accepted.
-    """
+    """One request's result."""
 
     prompt_ids: list[int]
-    generated_tokens: list[int]
-    finish_reason: str
-    steps: int
+    generated_tokens: list[int]  # EOS included if it ended on one
+    finish_reason: str  # one of `FINISH_REASONS`
+    steps: int  # target forwards after its prefill
     accepted_drafts: int
 
     @property
@@ -78,27 +66,19 @@ class _Progress:
             self.on_output(row.row, output)
 
 
-def generate_batch(
-    model,
-    inputs: list[list[int]],
-    generation_config: GenerationConfig | None = None,
-    assistant_model=None,
-    max_batch_size: int | None = 16,
-    progress_bar: bool = True,
-    on_output: Callable[[int, RequestOutput], None] | None = None,
-    seeds: list[int] | None = None,
-    speculation_config: SpeculationConfig | dict | None = None,
-    **kwargs,
-) -> list[RequestOutput]:
-    """Speculative generation for `inputs` (token-id lists), `max_batch_size` rows at a time with continuous
-    batching; `assistant_model` and `kwargs` as `hf_specformer.generate` takes them (no `assistant_model`: plain
-    decoding steps, still with continuous batching). Shows a progress bar (requests,
-    tokens/s, kappa) unless `progress_bar` is False; `on_output(index, output)` is called as each request finishes.
-    `speculation_config` as `generate` takes it; its `memory_budget` caps the slots at as many as fit
-    (`max_batch_size=None`: the budget alone sets them).
-    `seeds` (one int per request, with `do_sample=True`): a sampled request's text depends only on its own seed,
-    not on the requests it shares the slots with. Returns one `RequestOutput` per request, in input
-    order."""
+def generate_batch(model, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
+                   assistant_model=None, max_batch_size: int | None = 16, progress_bar: bool = True,
+                   on_output: Callable[[int, RequestOutput], None] | None = None, seeds: list[int] | None = None,
+                   speculation_config: SpeculationConfig | dict | None = None, **kwargs) -> list[RequestOutput]:
+    """Speculative generation for `inputs` (token-id lists), `max_batch_size` rows at a time with continuous batching;
+    other arguments as `hf_specformer.generate` takes them (no `assistant_model`: plain steps). Returns one
+    `RequestOutput` per request, in input order.
+
+    Args:
+        on_output: called as `on_output(index, output)` as each request finishes.
+        seeds: one int per request (with `do_sample=True`): a sampled text then depends on its own seed alone.
+        speculation_config: as `generate` takes it; its `memory_budget` caps the slots at as many as fit.
+    """
     if not inputs or any(not isinstance(ids, (list, tuple)) or not ids for ids in inputs):
         raise ValueError("inputs must be a non-empty list of non-empty token-id lists.")
     config, _ = resolved_config(model, generation_config, dict(kwargs))

@@ -1,9 +1,4 @@
-"""`SpeculationConfig`: how one call speculates, validated once.
-
-`generate` takes it as `speculation_config` (a `SpeculationConfig` or a dict of its fields) and completes it from
-transformers' assisted-generation names, passed to `generate` or set in a `GenerationConfig`; nothing below re-checks
-it.
-"""
+"""`SpeculationConfig`: how one call speculates, validated once and completed from transformers' names."""
 
 from __future__ import annotations
 
@@ -99,8 +94,7 @@ class SpeculationConfig:
 
     @classmethod
     def resolve(cls, given: "SpeculationConfig | dict | None", config: GenerationConfig) -> "SpeculationConfig":
-        """`given` completed from transformers' names in the resolved generation `config`; ValueError where a name
-        disagrees with a field set in `given`."""
+        """`given` completed from transformers' names in `config`; ValueError where they disagree."""
         if isinstance(given, dict):
             unknown = set(given) - {f.name for f in dataclasses.fields(cls)}
             if unknown:

@@ -1,10 +1,5 @@
-"""Speculation statistics of one call, and the rows reported as they finish.
-
-Conventions (terms as in `verification.py`): a *row-step* is one live row in one verification forward (the prefill
-is not one). `tokens_per_step` (kappa in the SpecFormer paper) is committed tokens per row-step and counts the
-correction or bonus token, so plain decoding scores 1.0 and k accepted drafts k + 1; it is counted before EOS or
-length truncation. Everything is counted on the host from each step's one read.
-"""
+"""Speculation statistics of one call, and the rows reported as they finish. A *row-step* is one live row in one
+verification forward; `tokens_per_step` (kappa) counts committed tokens per row-step, before EOS or length cuts."""
 
 from __future__ import annotations
 
@@ -82,8 +77,7 @@ class SpecStats:
 
 @dataclass
 class FinishedRow:
-    """One row that ended: its index among the call's rows, the tokens it generated (its end-of-sequence token
-    included), the steps it took part in and the drafts it accepted."""
+    """One row that ended: its index in the call, its tokens (EOS included), its steps and accepted drafts."""
 
     row: int
     tokens: list[int]

@@ -1,9 +1,8 @@
 """Cross-request suffix drafts (SuffixDecoding, arXiv 2411.04975; vLLM's `suffix` method), on the device.
 
-Where a row's last n committed tokens occurred before, in earlier requests (a `SuffixIndex`) or in the batch, what
-followed them is a draft; slot j's confidence is the share of the latest `max_candidates` occurrences agreeing with
-it up to j, which the scheduler reads like a drafter's. Matching runs over n-gram hashes on the device (a collision
-only proposes a wrong draft, which verification rejects); `SuffixIndex.max_tokens` bounds the memory.
+What followed a row's last n tokens in earlier requests (a `SuffixIndex`) or in the batch is a draft; slot j's
+confidence is the share of the latest occurrences agreeing up to j. Matching compares n-gram hashes (a collision only
+proposes a wrong draft, which verification rejects).
 """
 
 from __future__ import annotations
@@ -28,20 +27,16 @@ UNMATCHED = -(1 << 63)
 """Hash given to n-grams that nothing follows (a pattern hashing to it finds only those, which are unusable)."""
 
 MIN_NGRAM_SIZE = 4
-"""Shortest n-gram matched by default: a short n-gram followed by many things across requests drafts what
-happened to follow it most often, which the drafter knows better (docs/log.md, suffix drafts)."""
+"""Shortest n-gram matched by default: shorter ones draft what most often followed them, which the drafter knows
+better."""
 
 MAX_INDEX_TOKENS = 65536
-"""Default cap of a `SuffixIndex`, in tokens (each call sorts the index's n-grams once, O(M log M); a step's matching
-costs a binary search per row, O(log M))."""
+"""Default cap of a `SuffixIndex`, in tokens (a call sorts its n-grams once; a step searches them per row)."""
 
 
 class SuffixIndex:
-    """Token sequences of earlier requests (prompts and outputs) that suffix drafts match against.
-
-    `generate(..., suffix_index=index)` adds each call's rows (prompt and output) after the call; keep one index per
-    process to draft from everything generated so far (the batch job does). At most `max_tokens` tokens are kept:
-    adding beyond that drops the oldest sequences.
+    """Token sequences of earlier requests (prompts and outputs) that suffix drafts match against; a call with
+    `speculation_config={"suffix_index": index}` adds its rows after it. The oldest go beyond `max_tokens`.
 
     Args:
         max_tokens: the memory bound, in tokens (0: nothing is kept across calls; a call still matches its own
@@ -70,9 +65,8 @@ class SuffixIndex:
 
     def add_generated(self, sequences: torch.LongTensor, prompt_mask: torch.Tensor | None, prompt_width: int,
                       pad_token_id: int | None) -> None:
-        """Adds the rows of a `generate` result: `sequences` `[B, P + N]` with left-padded prompts of width
-        `prompt_width` (`prompt_mask` `[B, P]`, None: no padding) and outputs padded with `pad_token_id` after their
-        end (trailing pad tokens are dropped)."""
+        """Adds the rows of a `generate` result `[B, P + N]` without their padding (`prompt_mask` `[B, P]` or None,
+        and trailing `pad_token_id`s)."""
         for row, sequence in enumerate(sequences.cpu()):
             prompt = sequence[:prompt_width]
             if prompt_mask is not None:
@@ -98,15 +92,10 @@ def ngram_hashes(text: torch.LongTensor, size: int) -> torch.LongTensor:
 
 
 class SortedNgrams(NamedTuple):
-    """The n-grams of a text that a token follows, sorted by hash (stable: in text order within a hash).
+    """The n-grams of a text that a token follows, sorted by hash (stable: in text order within a hash)."""
 
-    Attributes:
-        hashes: `[N]` sorted n-gram hashes (`UNMATCHED` for n-grams followed by `SEPARATOR`).
-        starts: `[N]` where the continuation of each begins in the text.
-    """
-
-    hashes: torch.LongTensor
-    starts: torch.LongTensor
+    hashes: torch.LongTensor  # [N] sorted hashes (`UNMATCHED` for n-grams followed by `SEPARATOR`)
+    starts: torch.LongTensor  # [N] where each one's continuation begins in the text
 
 
 def sorted_ngrams(text: torch.LongTensor, size: int) -> SortedNgrams:
@@ -130,8 +119,7 @@ def latest_occurrences(ngrams: SortedNgrams, pattern_hash: torch.LongTensor, lim
 
 
 def batch_text(batch: RaggedBatch) -> torch.LongTensor:
-    """`[B * (W + 1)]` the active rows' committed prefixes, each padded with `SEPARATOR` to W = `max_prefix` and
-    followed by one (no host read)."""
+    """`[B * (W + 1)]` the active rows' committed prefixes, each padded with `SEPARATOR` to W and followed by one."""
     width = min(batch.max_prefix, batch.tokens.shape[1])
     tokens = batch.tokens[batch.row_ids, :width]
     committed = torch.arange(width, device=tokens.device)[None, :] < batch.prefix_lengths()[:, None]
@@ -149,8 +137,8 @@ def continuation_agreement(continuations: torch.LongTensor, usable: torch.BoolTe
 
 
 def tokens_at(index_text: torch.LongTensor, rows: torch.LongTensor, columns: torch.LongTensor) -> torch.LongTensor:
-    """The tokens at `columns` (any shape) of `index_text` `[M]` followed by `rows` `[R]`, `SEPARATOR` past the end,
-    without building the joined text (the index may hold millions of tokens)."""
+    """The tokens at `columns` of `index_text` `[M]` followed by `rows` `[R]` (`SEPARATOR` past the end), without
+    joining them."""
     size = index_text.numel()
     tokens = rows[(columns - size).clamp(0, rows.numel() - 1)]
     if size:
@@ -158,16 +146,11 @@ def tokens_at(index_text: torch.LongTensor, rows: torch.LongTensor, columns: tor
     return torch.where(columns < size + rows.numel(), tokens, SEPARATOR)
 
 
-def suffix_drafts(
-    batch: RaggedBatch, index_text: torch.LongTensor, index_ngrams: dict[int, SortedNgrams], num_draft_tokens: int,
-    max_ngram_size: int, max_candidates: int = 32, min_confidence: float = 0.1, min_ngram_size: int = 2,
-) -> tuple[torch.LongTensor, torch.BoolTensor, torch.Tensor]:
-    """Suffix drafts of the active rows (see the module docstring) from earlier requests' `index_text` `[M]`
-    (`SuffixIndex.text`, with its `sorted_ngrams` in `index_ngrams` for every size matched) and the batch's own rows,
-    matching n = `max_ngram_size` down to `min_ngram_size`.
-
-    Returns drafts `[B, k]`, found `[B, k]` (a draft with confidence at least `min_confidence` after found drafts
-    only) and the confidence of each draft `[B, k]` (float64)."""
+def suffix_drafts(batch: RaggedBatch, index_text: torch.LongTensor, index_ngrams: dict[int, SortedNgrams],
+                  num_draft_tokens: int, max_ngram_size: int, max_candidates: int = 32, min_confidence: float = 0.1,
+                  min_ngram_size: int = 2) -> tuple[torch.LongTensor, torch.BoolTensor, torch.Tensor]:
+    """Suffix drafts of the active rows from `index_text` `[M]` (with its `sorted_ngrams` per size) and the batch's
+    rows, n from `max_ngram_size` down -> drafts `[B, k]`, found `[B, k]`, confidence `[B, k]` (float64)."""
     k, size = num_draft_tokens, batch.size
     rows = batch_text(batch)
     device, prefix = rows.device, batch.prefix_lengths()
@@ -203,8 +186,7 @@ def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:
 
 
 class SuffixProposer(WrappingProposer):
-    """Another proposer's drafts, replaced by suffix drafts (`suffix_drafts`) with their frequency as confidence,
-    in rows where the wrapped proposal has no fixed drafts.
+    """Another proposer's drafts, replaced by suffix drafts where they promise more and no fixed drafts exist.
 
     Args:
         proposer: the proposer whose drafts are used where no suffix draft is found.

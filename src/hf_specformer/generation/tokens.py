@@ -1,15 +1,10 @@
-"""From scores to committed tokens: logits processing over ragged prefixes, token choice, committing and stopping.
+"""From scores to committed tokens.
 
-- `RaggedLogitsProcessor`: `generate`'s processors see a row's exact prefix, and some read it (repetition penalty,
-  min-new-tokens). A drafted position j of row b has its own prefix (committed tokens and drafts 1..j-1), so it is
-  processed with `tokens[b, :prefix[b] + j]`, in calls over all B0 rows in their original order (processors may
-  keep per-row state). Processors that never read the prefix run once over every position.
-- `TokenSelector`: argmax, a sample from torch's generator, or a *seeded* sample that depends only on the row's seed,
-  prompt and the model: Gumbel-max with noise keyed by (seed, generated position, token) from a counter-based hash.
-  The noise of a position is fixed before any draft is seen, so verification is greedy against the perturbed
-  scores and the text is the same whatever was drafted or batched. Uniforms have 24 bits.
-- `Committer`: appends committed tokens, cutting rows at EOS, `max_new_tokens` and other stopping criteria at
-  exactly the token where plain `generate` stops.
+- `RaggedLogitsProcessor`: position j of row b is processed with its own prefix `tokens[b, :prefix[b] + j]`, in calls
+  over all B0 rows in order (processors may keep per-row state); processors that never read it run once.
+- `TokenSelector`: argmax, a sample, or a *seeded* sample: Gumbel-max with noise keyed by (seed, position, token),
+  fixed before any draft is seen, so the text does not depend on what was drafted or batched.
+- `Committer`: appends tokens, cutting rows exactly where plain `generate` stops.
 """
 
 from __future__ import annotations
@@ -39,9 +34,13 @@ class RaggedLogitsProcessor:
 
     def __init__(self, logits_processor):
         processors = list(logits_processor or [])
-        self.min_lengths = [(p.min_length if isinstance(p, lp.MinLengthLogitsProcessor) else
-                             p.prompt_length_to_skip + p.min_new_tokens, p.eos_token_id)
-                            for p in processors if isinstance(p, LENGTH_PROCESSORS)]  # (the length below it, EOS)
+        lengths = {}  # EOS ids -> (the length below which they are blocked: the largest of their processors', EOS)
+        for p in (p for p in processors if isinstance(p, LENGTH_PROCESSORS)):
+            length = p.min_length if isinstance(p, lp.MinLengthLogitsProcessor) else p.prompt_length_to_skip + \
+                p.min_new_tokens
+            key = tuple(p.eos_token_id.tolist())
+            lengths[key] = (max(length, lengths.get(key, (0,))[0]), p.eos_token_id)
+        self.min_lengths = list(lengths.values())
         self.processors = [p for p in processors if not isinstance(p, LENGTH_PROCESSORS)]
         self.reads_prefix = any(not isinstance(p, PREFIX_FREE_PROCESSORS) for p in self.processors)
 
@@ -49,7 +48,7 @@ class RaggedLogitsProcessor:
         """logits `[B, T, V]` -> processed float32 scores `[B, T, V]` (float32 logits are processed in place: the
         engine does not read them again); `offset` shifts every prefix."""
         blocking = [(length, eos) for length, eos in self.min_lengths if batch.min_prefix + offset < length]
-        scores = logits.float()
+        scores = logits if logits.dtype == torch.float32 else logits.float()
         for length, eos in blocking:  # not once every live row's prefix is past every minimum (on the host)
             eos = eos if eos.device == scores.device else eos.to(scores.device)
             if batch.max_prefix + offset + scores.shape[1] <= length:  # every position is below it
@@ -85,15 +84,15 @@ def _shift_right(x: torch.LongTensor, bits: int) -> torch.LongTensor:
 
 
 def _mix(x: torch.LongTensor) -> torch.LongTensor:
-    """SplitMix64's finaliser (multiplications wrap), a bijection that scatters every bit."""
+    """SplitMix64's finaliser (multiplications wrap)."""
     x = (x ^ _shift_right(x, 30)) * _MIX_1
     x = (x ^ _shift_right(x, 27)) * _MIX_2
     return x ^ _shift_right(x, 31)
 
 
 def gumbel_noise(seeds: torch.LongTensor, positions: torch.LongTensor, vocab_size: int) -> torch.Tensor:
-    """`[B, T, V]` standard Gumbel noise for rows with `seeds` `[B]` at generated `positions` `[B, T]`: the same
-    (seed, position, token) always gives the same value, on any device and in any batch."""
+    """`[B, T, V]` Gumbel noise for `seeds` `[B]` at generated `positions` `[B, T]`, a function of (seed, position,
+    token) alone (24-bit uniforms)."""
     keys = _mix(_mix(seeds[:, None] * _GOLDEN + positions) + _GOLDEN)
     bits = _shift_right(_mix(keys[..., None] + torch.arange(vocab_size, device=seeds.device) * _GOLDEN), 40)
     uniform = ((bits.float() + 0.5) * 2.0**-24).clamp(max=1 - 2.0**-24)  # the largest would round to 1: +inf
@@ -101,8 +100,7 @@ def gumbel_noise(seeds: torch.LongTensor, positions: torch.LongTensor, vocab_siz
 
 
 def top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`[B, T, V]` scores outside each row's nucleus (`top_p` `[B]`: the fewest most likely tokens whose probability
-    reaches it) set to -inf."""
+    """`[B, T, V]` scores outside each row's nucleus (`top_p` `[B]`) set to -inf."""
     ordered, order = scores.sort(-1, descending=True)
     probs = ordered.softmax(-1)
     outside = (probs.cumsum(-1) - probs >= top_p[:, None, None]) & (top_p < 1)[:, None, None]  # nucleus complete
@@ -110,8 +108,7 @@ def top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 class TokenSelector:
-    """Chooses tokens from processed scores: argmax, a sample, or seeded (`seeds` `[B0]`, with `do_sample`). Seeded
-    rows may have their own `temperature` and `top_p` (`[B0]`; temperature 0: the row is greedy)."""
+    """Chooses tokens: argmax, a sample, or seeded (`seeds` `[B0]`), with per-row `temperature` and `top_p`."""
 
     def __init__(self, do_sample: bool, seeds: torch.LongTensor | None = None):
         self.do_sample = do_sample
@@ -139,8 +136,7 @@ class TokenSelector:
         return self.do_sample and self.seeds is None
 
     def scores_to_verify(self, scores: torch.Tensor, batch: RaggedBatch, offset: int = 0) -> torch.Tensor:
-        """`[B, T, V]` scores whose argmax at input j is the token the row takes at generated position
-        `num_generated + offset + j` (seeded: plus the row's noise)."""
+        """`[B, T, V]` scores whose argmax is the token each position takes (seeded: plus the row's noise)."""
         if self.seeds is None:
             return scores
         if self.temperature is not None and self.sampled_rows.isdisjoint(batch.host_rows):
@@ -168,8 +164,7 @@ def pad_token_id(generation_config: GenerationConfig) -> int:
 
 
 class Committer:
-    """Appends committed tokens to rows; EOS and `max_new_tokens` are vectorised, any other stopping criterion is
-    evaluated on each row's prefix after every committed token."""
+    """Appends committed tokens; other stopping criteria than EOS and length are checked after every token."""
 
     def __init__(self, stopping_criteria, generation_config: GenerationConfig, streamer=None):
         self.extra_criteria = StoppingCriteriaList(
@@ -179,8 +174,7 @@ class Committer:
         self.streamer = streamer
 
     def __call__(self, batch: RaggedBatch, tokens: torch.LongTensor, counts: torch.LongTensor) -> torch.BoolTensor:
-        """tokens `[B, n]`, counts `[B]` (at most n; 0 for rows already finished) -> finished `[B]`; writes the kept
-        tokens into `batch`."""
+        """Commits the first `counts` `[B]` of `tokens` `[B, n]`, cut at EOS and limits -> finished `[B]`."""
         offsets = batch.positions[: tokens.shape[1]]
         generated = batch.num_generated[batch.row_ids]
         limit = batch.max_new[batch.row_ids] - generated  # [B] tokens a row may take: its remaining new tokens,

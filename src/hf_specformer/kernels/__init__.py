@@ -1,12 +1,7 @@
 """Triton kernels of the hot path and the dispatcher between them and their PyTorch references.
 
-- `verification.py`: greedy verification and speculative sampling, one program per row streaming the vocabulary in
-  blocks (references: `generation/verification.py`).
-- `rms_norm.py`: the drafter's grouped RMSNorm written into the concatenation (reference: `SpecFormerGroupedRMSNorm`).
-
-Backends: `torch` (the references), `triton` (on a CPU under Triton's interpreter: start Python with
-`TRITON_INTERPRET=1`), `auto` (Triton for CUDA tensors). Callers pass one; None reads `HF_SPECFORMER_KERNELS` (default
-`auto`). Without Triton every backend falls back to the references, so remote code and CPU installs keep working.
+Backends: `torch` (the references), `triton` (on a CPU with `TRITON_INTERPRET=1`), `auto` (Triton for CUDA tensors);
+None reads `HF_SPECFORMER_KERNELS`. Without Triton every backend falls back to the references.
 """
 
 from __future__ import annotations

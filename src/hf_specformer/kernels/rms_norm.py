@@ -1,8 +1,5 @@
-"""The drafter's grouped RMSNorm in one kernel: the 4 hooked target states of a position, each normalised over d
-(in float32, or float64 for float64 inputs) with its own scale vector and written side by side, `[N, G, d]` ->
-`[N, G * d]` (the concatenation the context stage's down projection reads). Reference: `SpecFormerGroupedRMSNorm`
-(normalise in float32 or float64, cast back to the input dtype, then scale), whose rounding it follows.
-"""
+"""The drafter's grouped RMSNorm in one kernel, `[N, G, d]` -> `[N, G * d]` (the concatenation the down projection
+reads), rounding as its reference `SpecFormerGroupedRMSNorm` does."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ def grouped_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: flo
                          hidden_states.dtype), device=hidden_states.device)
     if flat.shape[0]:
         _grouped_rms_norm_kernel[(flat.shape[0],)](
-            flat, weight.contiguous(), output, hidden_size, num_groups, eps,
-            BLOCK=triton.next_power_of_2(hidden_size),
-            COMPUTE=tl.float64 if hidden_states.dtype == torch.float64 else tl.float32,
+            flat, weight.contiguous(), output, hidden_size, num_groups, eps, BLOCK=triton.next_power_of_2(hidden_size),
+            COMPUTE=tl.float64 if hidden_states.dtype == torch.float64 else tl.float32
         )
     return output

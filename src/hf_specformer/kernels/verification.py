@@ -1,15 +1,8 @@
 """Fused verification kernels: one program per row streams the target's (and the drafter's) distributions over the
 vocabulary in blocks of `BLOCK` and writes the row's committed tokens and accepted count.
 
-Both follow their references in `generation/verification.py` exactly (names and rules are defined there):
-- greedy: the argmax of each of the k + 1 positions (first index among equal maxima, as `torch.argmax`), drafts
-  accepted while they equal it and lie among the row's `num_drafts`; tokens `[B, k + 1]`, `EMPTY_SLOT` after the
-  committed ones.
-- sampling: draft j is accepted when u_j * q_j(d_j) <= p_j(d_j) (float64); the last token is drawn by inverse CDF
-  with the row's uniform r from max(p - q, 0) at the first rejection, or from p after the verified drafts (and from
-  p where the residual is empty): one pass over the vocabulary sums both masses, a second walks the CDF. It is
-  accumulated in float64 block by block, so a token can differ from the reference's `torch.cumsum` only where r
-  falls within rounding of a CDF step.
+Both follow their references in `generation/verification.py`; sampling accumulates the CDF in float64 block by
+block, so a token can differ from the reference's `torch.cumsum` only within rounding of a CDF step.
 """
 
 from __future__ import annotations
@@ -61,10 +54,9 @@ def greedy_verification(draft_ids: torch.LongTensor, target_scores: torch.Tensor
     tokens = torch.empty(batch, num_positions, dtype=torch.long, device=target_scores.device)
     accepted = torch.empty(batch, dtype=torch.long, device=target_scores.device)
     if batch:
-        _greedy_kernel[(batch,)](
-            target_scores.contiguous(), draft_ids.contiguous(), num_drafts.contiguous(), tokens, accepted,
-            num_positions, vocab_size, empty_slot, BLOCK=min(BLOCK, triton.next_power_of_2(vocab_size)),
-        )
+        _greedy_kernel[(batch,)](target_scores.contiguous(), draft_ids.contiguous(), num_drafts.contiguous(), tokens,
+                                 accepted, num_positions, vocab_size, empty_slot,
+                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab_size)))
     return tokens, accepted
 
 
@@ -126,10 +118,9 @@ def _sampling_kernel(target_ptr, draft_ptr, drafts_ptr, num_drafts_ptr, uniforms
     tl.store(accepted_ptr + row, num_accepted)
 
 
-def sampling_verification(
-    draft_ids: torch.LongTensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, num_drafts: torch.LongTensor,
-    uniforms: torch.Tensor, last_uniforms: torch.Tensor, empty_slot: int,
-) -> tuple[torch.LongTensor, torch.LongTensor]:
+def sampling_verification(draft_ids: torch.LongTensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                          num_drafts: torch.LongTensor, uniforms: torch.Tensor, last_uniforms: torch.Tensor,
+                          empty_slot: int) -> tuple[torch.LongTensor, torch.LongTensor]:
     """draft_ids `[B, k]`, draft_probs `[B, k, V]`, target_probs `[B, k + 1, V]`, num_drafts `[B]`, uniforms `[B, k]`
     and last_uniforms `[B]` (float64 in [0, 1)) -> tokens `[B, k + 1]`, num_accepted `[B]` (see `verify_sampling`)."""
     batch, num_positions, vocab_size = target_probs.shape
@@ -138,9 +129,8 @@ def sampling_verification(
     if num_positions == 1:  # no drafts: the kernel still reads a (never used) draft distribution
         draft_probs = target_probs.new_zeros(batch, 1, vocab_size)
     if batch:
-        _sampling_kernel[(batch,)](
-            target_probs.contiguous(), draft_probs.contiguous(), draft_ids.contiguous(), num_drafts.contiguous(),
-            uniforms.contiguous(), last_uniforms.contiguous(), tokens, accepted, num_positions, vocab_size,
-            empty_slot, BLOCK=min(BLOCK, triton.next_power_of_2(vocab_size)),
-        )
+        _sampling_kernel[(batch,)](target_probs.contiguous(), draft_probs.contiguous(), draft_ids.contiguous(),
+                                   num_drafts.contiguous(), uniforms.contiguous(), last_uniforms.contiguous(), tokens,
+                                   accepted, num_positions, vocab_size, empty_slot,
+                                   BLOCK=min(BLOCK, triton.next_power_of_2(vocab_size)))
     return tokens, accepted

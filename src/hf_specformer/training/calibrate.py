@@ -2,23 +2,10 @@
 
     hf-specformer calibrate --data D --drafter DIR [--companion DIR] [--write] [--output report.json]
 
-Teacher-forced, as verification would see it: for every reply position t of the target's own greedy answers, the
-drafter drafts k tokens greedily at t (with the token after t as its next-token input), and the target's answer
-says which drafts would be accepted (d_j == x_{t+1+j}). A draft's label counts only when every draft before it was
-accepted (`acceptance.py`). Signals per draft: (a) the drafter's confidence q_j(d_j); (c) Speculative
-Verification's (S, A) from the companion's distribution over the same chain (committed token, then the drafts).
-Prompt-lookup drafts are not calibrated here; their table is learned online.
-
-The data is split in two halves by sequence: each estimator is fitted on one and scored on the other:
-- AUC: the chance a random accepted draft gets a higher estimate than a random rejected one.
-- Brier score: mean (p - y)^2.
-- information gain I(X; Y) in bits: H(X) with the fit half's base rate minus the held-out log-loss of the estimates,
-  i.e. how many bits per draft the estimator saves over knowing only the base rate (it would be negative for a
-  miscalibrated estimator; unlike a plug-in I(X; bins) it cannot grow by adding bins).
-Estimators: (a) an `AcceptanceTable` on confidence per slot; (c) an `AcceptanceTable` on (S, A) per slot. (A top-2
-margin logistic, vLLM's estimator, was compared too and dropped: docs/log.md.)
-With `--write`, (a)'s table (fitted on all the data) goes into the drafter's `config.json` and (c)'s into the
-companion's, where `generate` finds them.
+Teacher-forced on the target's own greedy answers: at every reply position the drafter drafts k tokens and the
+answer says which would be accepted (a label counts after accepted drafts only). Signals: the drafter's confidence,
+or the companion's (S, A). Fitted on one half of the sequences and scored on the other (AUC, Brier score, information
+gain in bits over the base rate). `--write` stores the tables in the drafter's and companion's `config.json`.
 """
 
 from __future__ import annotations
@@ -32,12 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModel
 
-from hf_specformer.generation.acceptance import (
-    DRAFTER,
-    AcceptanceTable,
-    draft_confidence,
-    sv_features,
-)
+from hf_specformer.generation.acceptance import (DRAFTER, AcceptanceTable, draft_confidence, sv_features)
 from hf_specformer.targets import load_data_target
 from hf_specformer.training.data import load_distilled
 from hf_specformer.training.target_states import next_token_ids, reply_positions, target_hidden_states, tokens_after
@@ -133,9 +115,8 @@ def quantile_edges(values: torch.Tensor, num_bins: int) -> list[float]:
 
 def fit_table(signal: str, features, sources, slots, accepted, num_bins: int = 10,
               num_slots: int | None = None) -> AcceptanceTable:
-    """An `AcceptanceTable` of `signal` fitted on drafts (`features` `[N, F]`, `sources`, `slots`, `accepted` `[N]`):
-    equal-mass bins of each feature over the drafter's drafts, then every cell's counts; E_w from the accepted drafts
-    per slot over the positions drafted."""
+    """An `AcceptanceTable` of `signal` fitted on drafts (`features` `[N, F]`, `accepted` `[N]`): equal-mass bins,
+    each cell's counts, and E_w."""
     num_slots = num_slots or int(slots.max()) + 1
     drafter = sources == DRAFTER
     edges = [quantile_edges(features[drafter, f], num_bins) for f in range(features.shape[1])]

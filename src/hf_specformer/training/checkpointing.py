@@ -1,9 +1,5 @@
-"""Checkpoints and the metrics log of a training run, written so that a run killed at any instant resumes exactly.
-
-A checkpoint is written whole into `checkpoints/.tmp-step-N` (accelerate's state, `trainer_state.json`, a manifest of
-every file's size and SHA-256, all fsynced), then renamed to `step-N`; the last `KEEP_CHECKPOINTS` are kept and the
-newest is checked against its manifest before loading. The metrics log is appended line by line and cut back to the
-checkpoint's step on resume. `StopOnSignal`: SIGTERM or Ctrl-C finishes the optimiser step and checkpoints.
+"""Checkpoints and the metrics log of a training run, so that a run killed at any instant resumes exactly: each
+checkpoint is written whole (with a SHA-256 manifest, fsynced) and then renamed; the log is cut back on resume.
 """
 
 from __future__ import annotations
@@ -163,17 +159,14 @@ def append_metrics(path: Path, record: dict) -> None:
 
 
 def end_process_group() -> None:
-    """Tears down the `accelerate launch` process group once a run has passed its last barrier (a no-op in one
-    process). Left to interpreter exit, a process can abort in its communicator's destructor ("terminate called
-    without an active exception", seen once in CI under load) and fail a run that finished."""
+    """Tears down the `accelerate launch` process group after the last barrier (left to exit, its destructor can
+    abort a run that finished)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
 class StopOnSignal:
-    """Within its `with` block, SIGTERM and SIGINT set `requested` instead of ending the process, so that training
-    can finish its optimiser step and checkpoint. A second signal ends the process as usual. Outside the main
-    thread (where Python cannot handle signals) it does nothing."""
+    """Within its `with` block, a first SIGTERM or SIGINT sets `requested` (training then checkpoints and stops)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -10,38 +10,7 @@ from typing import Literal
 @dataclass
 class DrafterTrainingConfig:
     """Options of a drafter training run: one field per command-line option (`--field-name`), each with its `help`
-    (`hf-specformer train --help`); the ones that need more:
-
-    Args:
-        data: a distill output folder (its `dataset/`, else the records of a run in progress) or a `save_to_disk`
-            folder, with `input_ids` and `prompt_length`.
-        next_token_input: build the drafter with `SpecFormerConfig.next_token_input` (position t also reads x_{t+1};
-            an extension, not in the paper). With `init_from` a drafter without it gains it, starting at zero.
-        cut_loops: cut each training reply after its first repeat of an N-token window (`data.cut_loops`; held-out
-            replies stay whole): greedy answers loop verbatim, which prompt lookup drafts at run time anyway. 0: off.
-        ce_positions_per_sequence: of the slot stage's positions, how many also get the cross-entropy, whose lm_head
-            calls dominate a CPU step (0: all of them).
-        feature_loss_weight: w of a smooth-L1 loss between slot j's normed state and the target's last hidden state
-            at t + 1 + j (as EAGLE's feature loss; not in the paper's recipe). 0: off.
-        soft_label_weight: w_s of soft-label distillation (DistillSpec, arXiv 2310.08461): the forward KL from the
-            target's next-token distribution to slot j's, beside the hard label. 0: off.
-        cache_target_states: keep each sequence's target states in memory after its first forward, so later epochs
-            skip the target (about T * 5 * d * 4 bytes per sequence).
-        draft_vocab_size: draft only the N most frequent reply tokens of the training split (the head reads N rows
-            of the lm_head); 0: no restriction (an `init_from` drafter keeps its own).
-        draft_vocab_loss: the losses score only the draft vocabulary (as EAGLE-3 and FR-Spec train), labels outside
-            it skipped: the head then costs V_d / V as much. Needs a draft vocabulary.
-        eval_data: a held-out data folder (as `data`) measured instead of a split of `data`, which is then trained
-            on whole (needs `eval_fraction` 0): runs on different training sets compare on the same texts.
-        target_dtype: dtype the frozen target is loaded in (its hidden states are what the drafter learns from). The
-            device is accelerate's (a GPU when there is one; `accelerate launch --cpu` for the CPU).
-        intermediate_size: width of a fresh drafter's slot SwiGLU (0: the target's MLP width).
-        new_parameter_learning_rate_scale: with `init_from`, the learning-rate multiple of the parameters it lacks
-            (a new matrix starting at zero would otherwise grow at the fine-tuning pace).
-        lora: adapt the `init_from` drafter with a LoRA adapter (PEFT) on its linear layers, its weights frozen; the
-            run saves `adapter/` and exports the merged `drafter/` (rerun `calibrate` for its acceptance table).
-        lora_rank, lora_alpha, lora_dropout: the adapter's rank r, scale alpha (updates scaled by alpha / r), dropout.
-    """
+    (`hf-specformer train --help`); docs/training.md explains the recipe."""
 
     data: str = field(metadata={"help": "Distill output folder or a `save_to_disk` dataset folder."})
     output_dir: str = field(metadata={"help": "Folder for checkpoints, metrics.jsonl, eval.json and drafter/."})
@@ -98,9 +67,8 @@ class DrafterTrainingConfig:
     target_dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "dtype of the frozen target (the device is accelerate's)."}
     )
-    save_dtype: Literal["float32", "bfloat16", "float16"] = field(
-        default="bfloat16", metadata={"help": "Dtype of the exported drafter."}
-    )
+    save_dtype: Literal["float32", "bfloat16", "float16"] = field(default="bfloat16",
+                                                                  metadata={"help": "Dtype of the exported drafter."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     num_threads: int = field(default=0, metadata={"help": "Torch CPU threads per process (0: default)."})
     resume: bool = field(default=False, metadata={"help": "Resume from the latest checkpoint in output_dir."})

@@ -1,6 +1,4 @@
-"""Self-distilled data for training: loading (a `distill` output, a saved dataset or a records file), cutting replies
-at their first loop, the reply vocabulary, the train/held-out split, the seeded order of micro-batches and their
-collation."""
+"""Self-distilled data for training: loading, loop cutting, the reply vocabulary, the split and the batches."""
 
 from __future__ import annotations
 
@@ -20,12 +18,8 @@ from hf_specformer.data.records import read_all_records
 
 
 def load_distilled(path: str | os.PathLike) -> Dataset:
-    """Self-distilled sequences with columns `input_ids` and `prompt_length`.
-
-    `path` is a distill (or `generate`) output folder (its finished `dataset/`, else the records of a run in
-    progress, read without modifying them and ignoring a last line cut by a concurrent write) or a folder written
-    by `save_to_disk`. Records are ordered by `id` when there is one.
-    """
+    """Sequences (`input_ids`, `prompt_length`) of a distill output folder (its `dataset/`, else the records of a
+    run in progress) or a `save_to_disk` folder, ordered by `id` when there is one."""
     path = Path(path)
     records = read_all_records(str(path / PROGRESS_DIR)) if (path / PROGRESS_DIR).is_dir() else {}
     if (path / DATASET_DIR).is_dir():
@@ -61,9 +55,8 @@ def loop_end(reply: Sequence[int], span: int) -> int:
 
 
 def cut_loops(dataset: Dataset, span: int) -> Dataset:
-    """`dataset` (`input_ids`, `prompt_length`) with each reply cut at `loop_end`: a small target's greedy answers
-    often fall into verbatim loops that run to the token limit, which prompt lookup drafts at run time and a drafter
-    need not learn. The first repeated window is kept, so the drafter still sees a loop begin."""
+    """`dataset` with each reply cut after its first repeated window (`loop_end`): greedy answers loop verbatim,
+    which prompt lookup drafts at run time."""
     input_ids = [ids[: prompt_length + loop_end(ids[prompt_length:], span)]
                  for ids, prompt_length in zip(dataset["input_ids"], dataset["prompt_length"])]
     return Dataset.from_dict({"input_ids": input_ids, "prompt_length": list(dataset["prompt_length"])})

@@ -1,10 +1,5 @@
-"""Self-distillation data: the target answers a prompt set itself (greedy), and its answers are kept.
-
-A drafter trained on them learns the target's own distribution, which speculative decoding rewards. This is the batch
-job's answering (`data.answering`) with distillation's settings: greedy, chat template, prompts shuffled with
-`--seed` (so `--limit` samples every part of the set), plain `generate` unless `--drafter` (lossless, only faster).
-Resumable and sharded like the job; the records become `<output>/dataset`. `hf-specformer distill ...`.
-"""
+"""Self-distillation data (`hf-specformer distill`): the target answers a prompt set greedily, resumable and sharded
+as the batch job (`data.answering`); a drafter trained on the answers learns the target's own distribution."""
 
 from __future__ import annotations
 
@@ -15,37 +10,16 @@ import os
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_specformer.data.answering import (
-    GenerationSettings,
-    add_length_arguments,
-    add_prompt_arguments,
-    generate_dataset,
-    process_state,
-)
+from hf_specformer.data.answering import (GenerationSettings, add_length_arguments, add_prompt_arguments,
+                                          generate_dataset, process_state)
 from hf_specformer.data.prompts import load_prompts
 from hf_specformer.data.records import DATASET_DIR
 
 
-def distill(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
-    output_dir: str,
-    *,
-    max_new_tokens: int = 256,
-    batch_size: int = 16,
-    max_prompt_tokens: int = 512,
-    drafter: PreTrainedModel | None = None,
-    progress: bool = True,
-) -> Dataset | None:
-    """Has `target` answer every prompt greedily and returns the records (`id`, `prompt`, `input_ids`,
-    `prompt_length`, `response`) as a Dataset, also saved to `<output_dir>/dataset`.
-
-    Resumes from `<output_dir>/progress` if it holds a run with the same target, prompts and `max_new_tokens`
-    (ValueError if it holds another). Prompts longer than `max_prompt_tokens` tokens are skipped and counted. With
-    a `drafter` (bound to `target`), answers are generated speculatively, with prompt lookup. Under `accelerate
-    launch` the main process returns the Dataset, the others None.
-    """
+def distill(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], output_dir: str, *,
+            max_new_tokens: int = 256, batch_size: int = 16, max_prompt_tokens: int = 512,
+            drafter: PreTrainedModel | None = None, progress: bool = True) -> Dataset | None:
+    """`generate_dataset` with distillation's settings (greedy, chat template); a `drafter` only makes it faster."""
     settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size,
                                   max_prompt_tokens=max_prompt_tokens)
     speculation = None if drafter is None else {"assistant_model": drafter}  # with prompt lookup, by default
@@ -73,10 +47,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    prompts = load_prompts(
-        args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit, shuffle_seed=args.seed,
-        exclude_overlap=args.exclude_overlap,
-    )
+    prompts = load_prompts(args.prompts, prompt_field=args.prompt_field, split=args.split, limit=args.limit,
+                           shuffle_seed=args.seed, exclude_overlap=args.exclude_overlap)
     target, tokenizer = target_from_args(args, process_state().device)
     drafter = None if args.drafter is None else load_drafter(None if args.drafter == "shipped" else args.drafter,
                                                              target)

@@ -19,26 +19,15 @@ BEST_OF_LOOKUP = "kappa_best_of_lookup"
 
 
 def acceptance_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int) -> list[int]:
-    """Teacher-forced decoding steps of one sequence with k drafts per step (official `validate.py`).
-
-    `drafts[r]` `[max_k]` are the draft tokens at position `start + r` (slot j guesses x_{start+r+2+j}), `tokens`
-    `[L]` the sequence. From i = start, while all k labels x_{i+2 .. i+1+k} exist: step = 1 (the target's own
-    token) + length of the matched draft prefix, i += step. Returns the steps (`tree_acceptance_steps` with one
-    branch, the argmax chain).
-    """
+    """Teacher-forced steps of one sequence `tokens` `[L]` with k drafts per step (`drafts[r]`: those at `start + r`;
+    official `validate.py`): each step is 1 + the matched draft prefix."""
     return tree_acceptance_steps(drafts[:, :k, None], tokens, start, [(0,) * k])
 
 
 def tree_acceptance_steps(ranked: torch.Tensor, tokens: torch.Tensor, start: int,
                           branches: Sequence[Sequence[int]]) -> list[int]:
-    """Teacher-forced decoding steps of one sequence verifying a draft tree each step.
-
-    `ranked[r]` `[max_k, R]`: the drafter's R best tokens of each slot at position `start + r`, best first. A branch
-    is a tuple of ranks, one per slot from slot 1 (at most k = the longest branch's length): slot j drafts
-    `ranked[r, j, branch[j]]`. A step accepts the longest matching prefix over the branches (greedy verification of
-    a tree) plus the target's own token; the walk runs while all k labels exist, as `acceptance_steps`. The drafter
-    drafts every slot from the context alone, so a slot's tokens are the same under every branch.
-    """
+    """Teacher-forced steps verifying a draft tree: `ranked[r]` `[max_k, R]` the R best tokens of each slot at
+    `start + r`; a branch (one rank per slot) drafts `ranked[r, j, branch[j]]`; a step takes the longest match."""
     k = max(len(branch) for branch in branches)
     no_token = ranked.shape[2]  # a branch shorter than k drafts nothing past its end: a rank that never matches
     ranked = torch.cat([ranked[:, :k], ranked.new_full((*ranked.shape[:1], k, 1), -1)], dim=2)
@@ -57,10 +46,8 @@ def tree_acceptance_steps(ranked: torch.Tensor, tokens: torch.Tensor, start: int
 
 def lookup_candidates(tokens: torch.Tensor, start: int, count: int, k: int,
                       ngram_sizes: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Prompt lookup's drafts at the positions t = start .. start + count - 1 of a sequence `tokens` `[L]`, whose
-    committed prefix there ends with the target's token x_{t+1} (as a drafter's slot j guesses x_{t+2+j}): for each n
-    in `ngram_sizes`, the drafts of an n-gram match alone (`generation.proposers.ngram_lookup`, the engine's own
-    matching), as (ids `[count, k]`, found `[count, k]`)."""
+    """Prompt lookup's drafts (the engine's `ngram_lookup`) at positions start .. start + count - 1 of `tokens` `[L]`,
+    one n-gram size at a time: (ids `[count, k]`, found `[count, k]`)."""
     prefix = torch.arange(start + 2, start + 2 + count, device=tokens.device)
     rows = tokens[None].expand(count, -1)
     return [ngram_lookup(rows, prefix, k, n, n)[:2] for n in ngram_sizes]
@@ -68,11 +55,8 @@ def lookup_candidates(tokens: torch.Tensor, start: int, count: int, k: int,
 
 def best_of_lookup_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int, k: int,
                          ngram_sizes: Sequence[int]) -> list[int]:
-    """Teacher-forced steps (as `acceptance_steps`) where each step takes whichever accepts most: the drafter's k
-    drafts `drafts` `[P, >= k]`, or prompt lookup's at one n of `ngram_sizes` (`lookup_candidates`; slots past the
-    match keep the drafter's, as at run time). A perfect per-step choice between the two sources, against the rule
-    that chooses at run time (`generation.proposers.PromptLookupProposer`), so a gap to a target is told apart as the
-    rule's or the sources'. (Greedy per step, so not a strict bound: a shorter step can land on a better position.)"""
+    """Teacher-forced steps (as `acceptance_steps`) each taking whichever accepts most, the drafter's drafts or prompt
+    lookup's: what a perfect choice of source would give, against the rule that chooses at run time."""
     drafts = drafts[:, :k]
     chains = [drafts] + [torch.where(found, ids, drafts)
                          for ids, found in lookup_candidates(tokens, start, drafts.shape[0], k, ngram_sizes)]
@@ -81,14 +65,11 @@ def best_of_lookup_steps(drafts: torch.Tensor, tokens: torch.Tensor, start: int,
 
 
 @torch.no_grad()
-def draft_tokens(
-    target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor, start: int, max_k: int,
-    chunk_size: int = 64, ranks: int | None = None, hidden_states: tuple[torch.Tensor, ...] | None = None,
-) -> torch.Tensor:
-    """Argmax drafts `[L - 2 - start, max_k]` of one sequence `[L]` at positions start .. L - 3 (those with a label),
-    or with `ranks` each slot's `ranks` best tokens `[L - 2 - start, max_k, ranks]`, best first; computed
-    `chunk_size` positions at a time to bound the `[chunk, max_k, V]` logits. `hidden_states`: the target's L + 1
-    states `[1, L, d]` of the sequence where the caller already has them (else one target forward here)."""
+def draft_tokens(target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor, start: int,
+                 max_k: int, chunk_size: int = 64, ranks: int | None = None,
+                 hidden_states: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """Argmax drafts `[L - 2 - start, max_k]` of one sequence `[L]` (with `ranks`: each slot's best tokens, `[...,
+    ranks]`), `chunk_size` positions at a time; `hidden_states`: the target's, where the caller has them."""
     ids = input_ids[None]
     if hidden_states is None:
         hidden_states = target_hidden_states(target, ids, torch.ones_like(ids))
@@ -119,9 +100,7 @@ def label_probabilities(target: PreTrainedModel, hidden_states: tuple[torch.Tens
 
 def confidence_bins(hits: torch.Tensor, confidence: torch.Tensor, edges: Sequence[float] = CONFIDENCE_EDGES) -> list:
     """Slot-1 top-1 accuracy per bin of the target's own probability of the label: `[{"low", "high", "share",
-    "accuracy"}]` (`hits` bool `[N]`, `confidence` `[N]`; accuracy None for an empty bin). Two texts on which the
-    drafter scores differently within the same bins differ in what the drafter has learnt, not in how predictable
-    the target's text is."""
+    "accuracy"}]` (within a bin, texts differ in what the drafter learnt, not in how predictable they are)."""
     bounds = [0.0, *edges, 1.0]
     rows = []
     for low, high in zip(bounds, bounds[1:]):
@@ -133,22 +112,11 @@ def confidence_bins(hits: torch.Tensor, confidence: torch.Tensor, edges: Sequenc
 
 
 @torch.no_grad()
-def evaluate_kappa(
-    target: PreTrainedModel, drafter: SpecFormerForDrafting, dataset: Iterable[dict], max_k: int,
-    lookup_ngram_sizes: Sequence[int] = (),
-) -> dict:
-    """Teacher-forced accepted length kappa(k) for k = 1..max_k and per-slot top-1 accuracy on held-out sequences.
-
-    `dataset` yields rows with `input_ids` (cut to length) and `prompt_length`; each walk starts at the last prompt
-    position. kappa(k) = tokens / steps over all sequences, in [1, k + 1]; `slot_accuracy[j]`: slot j's top-1
-    accuracy at every position; `slot_acceptance[j]`: the share of the k = max_k walk's steps accepting slot j (as
-    `SpecStats.acceptance_by_position` reports live). `slot1_by_target_confidence` (`confidence_bins`) and
-    `draft_vocab_coverage` separate the causes of a low slot 1; with `lookup_ngram_sizes`, `BEST_OF_LOOKUP` is kappa
-    when each step takes the better of the drafter's and prompt lookup's drafts (`best_of_lookup_steps`).
-    Returns `{"kappa", "slot_accuracy", "slot_acceptance": [max_k floats], "slot1_by_target_confidence": [...],
-    "draft_vocab_coverage", "mean_target_confidence": float, "num_steps", "num_sequences", "num_positions": int}`
-    (and `BEST_OF_LOOKUP: float`).
-    """
+def evaluate_kappa(target: PreTrainedModel, drafter: SpecFormerForDrafting, dataset: Iterable[dict], max_k: int,
+                   lookup_ngram_sizes: Sequence[int] = ()) -> dict:
+    """Teacher-forced accepted length kappa(k) = tokens / steps for k = 1..max_k on held-out sequences (`input_ids`,
+    `prompt_length`), with per-slot top-1 accuracy and acceptance, slot 1 by the target's confidence, the draft
+    vocabulary's coverage, and with `lookup_ngram_sizes` `BEST_OF_LOOKUP` (`best_of_lookup_steps`)."""
     was_training = drafter.training
     drafter.eval()
     device = next(drafter.parameters()).device

@@ -17,15 +17,10 @@ IGNORE_INDEX = -100
 """Label of positions without a target token (cross-entropy skips them)."""
 
 
-def sample_positions(
-    lengths: Sequence[int], prompt_lengths: Sequence[int], per_sequence: int, rng: random.Random
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions t where the slot stage runs: x_{t+2} exists and lies in the reply (t + 2 >= prompt length).
-
-    Draws `per_sequence` of them per sequence without replacement (all with 0 or when there are fewer), in random
-    order, so that the first columns are a random subset of the drawn ones. Returns positions `[B, P]` (padded with
-    0) and their validity mask `[B, P]`.
-    """
+def sample_positions(lengths: Sequence[int], prompt_lengths: Sequence[int], per_sequence: int,
+                     rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `per_sequence` random positions t per sequence (0: all) whose x_{t+2} lies in the reply, in random order
+    -> positions `[B, P]` (padded with 0) and their validity `[B, P]`."""
     chosen = []
     for length, prompt_length in zip(lengths, prompt_lengths):
         valid = range(max(int(prompt_length) - 2, 0), int(length) - 2)
@@ -49,9 +44,7 @@ def slot_labels(batch: Batch, positions: torch.Tensor, mask: torch.Tensor, num_s
 
 
 def draft_vocab_labels(labels: torch.Tensor, draft_vocab_ids: torch.Tensor | None) -> torch.Tensor:
-    """Labels `[...]` as columns of the draft vocabulary `draft_vocab_ids` `[V_d]` (what `draft_vocab_logits`
-    scores): token `draft_vocab_ids[i]` becomes i; tokens outside it, which the drafter can never draft, become
-    -100 (skipped). Raises `ValueError` without a draft vocabulary."""
+    """Labels as columns of the draft vocabulary `draft_vocab_ids` `[V_d]`; tokens outside it become -100."""
     if draft_vocab_ids is None:
         raise ValueError("Scoring the draft vocabulary needs one: `set_draft_vocab` (or `draft_vocab_size`).")
     column = torch.full((int(draft_vocab_ids.max()) + 1,), IGNORE_INDEX, dtype=torch.long, device=labels.device)
@@ -87,10 +80,8 @@ def slot_feature_loss(normalized: torch.Tensor, targets: torch.Tensor, labels: t
 
 
 def slot_soft_label_loss(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean forward KL(p || q) (in float32 at least) from the target's next-token distribution p = softmax of
-    `target_logits` `[..., V]` to the drafter's q = softmax of `logits` `[..., V]`, over the entries whose `labels`
-    `[...]` are not -100 (0 if there are none). DistillSpec (arXiv 2310.08461): the whole distribution teaches a
-    slot what the target would accept, not only its greedy token."""
+    """Mean forward KL(p || q) from the target's next-token distribution to the drafter's (`[..., V]` logits each)
+    where `labels` are not -100 (DistillSpec, arXiv 2310.08461)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     log_q = logits.to(dtype).log_softmax(-1)
     log_p = target_logits.to(dtype).log_softmax(-1)
@@ -99,34 +90,20 @@ def slot_soft_label_loss(logits: torch.Tensor, target_logits: torch.Tensor, labe
     return (divergence * valid).sum() / valid.sum().clamp(min=1)
 
 
-def intra_batch_backward(
-    drafter: SpecFormerForDrafting,
-    slot_hidden: torch.Tensor,
-    labels: torch.Tensor,
-    backward: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-    feature_targets: torch.Tensor | None = None,
-    feature_weight: float = 0.0,
-    num_ce_positions: int = 0,
-    soft_label_weight: float = 0.0,
-    draft_vocab_loss: bool = False,
-) -> SlotLosses:
-    """Backward of `mean_j (CE_j + w_f * feature_j + w_s * soft_j)`, one slot's vocabulary-sized logits at a time
-    (paper sec. 3).
+def intra_batch_backward(drafter: SpecFormerForDrafting, slot_hidden: torch.Tensor, labels: torch.Tensor,
+                         backward: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                         feature_targets: torch.Tensor | None = None, feature_weight: float = 0.0,
+                         num_ce_positions: int = 0, soft_label_weight: float = 0.0,
+                         draft_vocab_loss: bool = False) -> SlotLosses:
+    """Backward of `mean_j (CE_j + w_f * feature_j + w_s * soft_j)`, one slot's `[B, P, V]` logits at a time (paper
+    sec. 3): the gradients of the whole loss while only one slot's logits live.
 
     Args:
-        drafter: the (unwrapped, bound) drafter whose `compute_logits` applies the target's norm and head.
         slot_hidden: slot states `[B, P, l_d, d]` still attached to the SpecFormer graph.
         labels: `[B, P, l_d]`, -100 where a slot has no target token.
         backward: `backward(tensor, gradient)` for the final backward (e.g. `accelerator.backward`'s wrapper).
         feature_targets: `[B, P, l_d, d]` the target's last hidden state predicting each slot's label (for w_f, w_s).
-        feature_weight, soft_label_weight: w_f and w_s (`DrafterTrainingConfig`).
         num_ce_positions: the cross-entropy and soft labels cover the first this many of the P positions (0: all).
-        draft_vocab_loss: score the drafter's draft vocabulary alone (`draft_vocab_logits`, V_d columns) for the
-            cross-entropy and the soft labels; labels outside it are skipped (see
-            `DrafterTrainingConfig.draft_vocab_loss`).
-
-    The gradients equal those of the plain loss computed from all `[B, P, l_d, V]` logits at once, while only
-    `[B, P, V]` logits live at a time.
     """
     num_slots = slot_hidden.shape[2]
     ce_columns = slice(0, num_ce_positions or None)

@@ -23,9 +23,8 @@ def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float) -> Ca
     return factor
 
 
-def build_optimizer(
-    drafter: torch.nn.Module, config: DrafterTrainingConfig, new_parameters: frozenset[str] = frozenset()
-) -> torch.optim.AdamW:
+def build_optimizer(drafter: torch.nn.Module, config: DrafterTrainingConfig,
+                    new_parameters: frozenset[str] = frozenset()) -> torch.optim.AdamW:
     """AdamW with weight decay on the weight matrices only; the parameters named in `new_parameters` at
     `config.new_parameter_learning_rate_scale` times the learning rate."""
     groups = []

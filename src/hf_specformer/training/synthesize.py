@@ -1,12 +1,6 @@
-"""Prompts written by the target itself, for self-distillation beyond a fixed prompt set.
-
-Magpie (Xu et al., 2024, arXiv 2406.08464): an instruction-tuned target given only the opening of a user turn in its
-chat template writes a user message, sampled at temperature 1, so the prompts spread over what the model was aligned
-on. A message is kept if the target closed the turn itself, it is not blank and not a duplicate (of one kept or of
-`exclude`); with `categories`, batch b carries category b mod n's system prompt (`CATEGORY_SYSTEM_PROMPTS`), as
-Magpie steers its task mix. Resumable: each batch is appended and fsynced, batch b is seeded by (seed, b), so a rerun
-reproduces the same file. `hf-specformer synthesize ...`.
-"""
+"""Prompts written by the target itself (`hf-specformer synthesize`), as Magpie (arXiv 2406.08464) does: given the
+opening of a user turn, the target samples a user message (kept if it closed the turn and is new); resumable, batch b
+seeded by (seed, b), with a category's system prompt per batch."""
 
 from __future__ import annotations
 
@@ -21,13 +15,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specformer.data.batching import batch_seed, cut_after_eos, eos_token_ids
 from hf_specformer.data.prompts import load_prompts
-from hf_specformer.data.records import (
-    append_records,
-    check_or_write_meta,
-    prompts_sha256,
-    read_records,
-    target_fingerprint,
-)
+from hf_specformer.data.records import (append_records, check_or_write_meta, prompts_sha256, read_records,
+                                        target_fingerprint)
 from hf_specformer.targets import add_target_arguments, target_from_args
 
 logger = logging.getLogger(__name__)
@@ -65,12 +54,8 @@ MAX_FRUITLESS_BATCHES = 10
 
 
 def user_turn_prefix_ids(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> list[int]:
-    """Token ids of the chat template up to where a user message's text begins (system prompt, user header), with
-    `system_prompt` as the system turn (None: the template's default).
-
-    Found by rendering a sentinel message and cutting the text at it; raises ValueError if the template does not
-    put the message text verbatim into the prompt.
-    """
+    """Token ids of the chat template up to where a user message's text begins, with `system_prompt` (None: the
+    template's default); found by rendering a sentinel message."""
     system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     text = tokenizer.apply_chat_template([*system, {"role": "user", "content": SENTINEL}], tokenize=False)
     if SENTINEL not in text:
@@ -79,27 +64,14 @@ def user_turn_prefix_ids(tokenizer: PreTrainedTokenizerBase, system_prompt: str 
 
 
 @torch.inference_mode()
-def sample_user_messages(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prefix_ids: list[int],
-    batch_size: int,
-    max_new_tokens: int,
-    seed: int,
-) -> list[str | None]:
+def sample_user_messages(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prefix_ids: list[int],
+                         batch_size: int, max_new_tokens: int, seed: int) -> list[str | None]:
     """`batch_size` user messages sampled after `prefix_ids`; None for a message the target did not close in time."""
     torch.manual_seed(seed)
     input_ids = torch.tensor([prefix_ids] * batch_size, device=target.device)
-    output = target.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    output = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                             pad_token_id=tokenizer.pad_token_id)
     eos_ids = eos_token_ids(target, tokenizer)
     messages = []
     for row in output[:, input_ids.shape[1] :].tolist():
@@ -109,28 +81,12 @@ def sample_user_messages(
     return messages
 
 
-def synthesize_prompts(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    num_prompts: int,
-    output_path: str,
-    *,
-    batch_size: int = 64,
-    max_new_tokens: int = 128,
-    seed: int = 0,
-    categories: list[str] | None = None,
-    exclude: Iterable[str] = (),
-    progress: bool = True,
-) -> list[str]:
-    """Has `target` write `num_prompts` distinct user prompts into `output_path` (JSONL with `id`, `batch`,
-    `source`, `prompt`, and `category` with `categories`) and returns them, resuming a run already there.
-
-    `categories`: keys of `CATEGORY_SYSTEM_PROMPTS` taken in turn, one per batch (None: the template's own system
-    prompt). `exclude`: prompts never written (compared after stripping whitespace). Raises ValueError for an unknown
-    category or when `output_path` holds a run with another target, seed, length limit, categories or exclusions
-    (recorded in `<output_path>.meta.json`), and RuntimeError when
-    `MAX_FRUITLESS_BATCHES` batches in a row keep nothing.
-    """
+def synthesize_prompts(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, num_prompts: int, output_path: str,
+                       *, batch_size: int = 64, max_new_tokens: int = 128, seed: int = 0,
+                       categories: list[str] | None = None, exclude: Iterable[str] = (),
+                       progress: bool = True) -> list[str]:
+    """Has `target` write `num_prompts` distinct user prompts into `output_path` (JSONL), resuming a matching run,
+    and returns them; `categories` (keys of `CATEGORY_SYSTEM_PROMPTS`) in turn per batch, `exclude` never written."""
     if num_prompts < 1 or batch_size < 1 or max_new_tokens < 1:
         raise ValueError("num_prompts, batch_size and max_new_tokens must be positive.")
     unknown = sorted(set(categories or []) - set(CATEGORY_SYSTEM_PROMPTS))
@@ -160,9 +116,8 @@ def synthesize_prompts(
                 f"{max_new_tokens} tokens, or all blank or repeated); is the target an instruction-tuned chat model?"
             )
         kind = kinds[batch_index % len(kinds)]
-        messages = sample_user_messages(
-            target, tokenizer, prefixes[kind], batch_size, max_new_tokens, batch_seed(seed, batch_index)
-        )
+        messages = sample_user_messages(target, tokenizer, prefixes[kind], batch_size, max_new_tokens,
+                                        batch_seed(seed, batch_index))
         source = f"self:{target.config.name_or_path}" + (f":{kind}" if kind else "")
         new = []
         for message in messages:
@@ -208,11 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     exclude = load_prompts(args.exclude) if args.exclude else []
     target, tokenizer = target_from_args(args)
-    prompts = synthesize_prompts(
-        target, tokenizer, args.num_prompts, args.output,
-        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed, categories=args.categories,
-        exclude=exclude,
-    )
+    prompts = synthesize_prompts(target, tokenizer, args.num_prompts, args.output, batch_size=args.batch_size,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, categories=args.categories,
+                                 exclude=exclude)
     logger.info("%d prompts in %s", len(prompts), args.output)
 
 

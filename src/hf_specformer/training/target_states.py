@@ -32,32 +32,23 @@ def tokens_after(ids: torch.LongTensor, positions: torch.LongTensor, first: int,
 
 
 @torch.no_grad()
-def target_hidden_states(
-    target: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
+def target_hidden_states(target: PreTrainedModel, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The target's L + 1 hidden states `[B, T, d]` of a (right-padded) batch, without gradients."""
-    output = target(
-        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False, logits_to_keep=1
-    )
+    output = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                    logits_to_keep=1)
     return output.hidden_states
 
 
-def hooked_target_states(
-    target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
+def hooked_target_states(target: PreTrainedModel, drafter: SpecFormerForDrafting, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The drafter's 4 hooked target states `[B, T, d]` of a (right-padded) batch, without gradients."""
     return drafter.select_hooked_states(target_hidden_states(target, input_ids, attention_mask))
 
 
 class TargetStateCache:
-    """The frozen target's states a training step reads: the 4 hooked states `[T, 4, d]` and the last hidden state
-    `[T, d]` (the feature-loss target; a view of the hooked ones when layer L is hooked) of each sequence.
-
-    Without `keep`, a micro-batch runs through the target in one right-padded forward (what a GPU wants); a resumed
-    run repeats the same batches, so it sees the same numbers. With `keep`, each sequence runs through the target on
-    its own (no padding) and its states stay in memory, so later epochs skip the target and the states never depend
-    on the batch a sequence first landed in.
-    """
+    """The frozen target's states a training step reads per sequence: the hooked ones `[T, 4, d]` and the last
+    `[T, d]`. With `keep`, each sequence runs alone and its states stay in memory (later epochs skip the target)."""
 
     def __init__(self, target: PreTrainedModel, drafter: SpecFormerForDrafting, keep: bool):
         self.target, self.drafter, self.keep = target, drafter, keep

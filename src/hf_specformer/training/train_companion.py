@@ -3,9 +3,8 @@
     accelerate launch -m hf_specformer.training.train_companion --data D --output C --vocab-from DRAFTER_DIR
     hf-specformer train-companion --data D --output C ...           (the same, one process)
 
-Every reply position t of distilled data gives one example: the target's last hidden state at t, the chain
-x_{t+1} .. x_{t+k} and the labels x_{t+2} .. x_{t+k+1}; cross-entropy over the companion vocabulary. The target runs
-once per sequence and its states stay in memory. Checkpoints resume exactly; SIGTERM or Ctrl-C checkpoints and exits.
+Each reply position t gives the target's last state at t, the chain x_{t+1..t+k} and labels x_{t+2..t+k+1}
+(cross-entropy over the companion vocabulary). Checkpoints resume exactly.
 """
 
 from __future__ import annotations
@@ -22,14 +21,8 @@ from tqdm.auto import tqdm
 
 from hf_specformer.models import CompanionConfig, CompanionForVerification
 from hf_specformer.targets import load_data_target
-from hf_specformer.training.checkpointing import (
-    StopOnSignal,
-    TrainerState,
-    end_process_group,
-    list_checkpoints,
-    restore_checkpoint,
-    save_checkpoint,
-)
+from hf_specformer.training.checkpointing import (StopOnSignal, TrainerState, end_process_group, list_checkpoints,
+                                                  restore_checkpoint, save_checkpoint)
 from hf_specformer.training.data import load_distilled, split_train_eval
 from hf_specformer.training.target_states import reply_positions, target_hidden_states, tokens_after
 from hf_specformer.training.optimization import warmup_cosine
@@ -83,9 +76,7 @@ class ChainData:
 @torch.no_grad()
 def chain_examples(target, dataset, chain_length: int, max_length: int, label_index: torch.LongTensor,
                    progress: bool = True) -> ChainData:
-    """Runs the target over every sequence (cut to `max_length`) and collects one example per reply position t
-    (from the last prompt position on): state at t, chain x_{t+1..t+k}, labels x_{t+2..t+k+1} mapped through
-    `label_index` `[V]` (token id -> companion class, or IGNORE)."""
+    """One example per reply position of every sequence (labels mapped through `label_index` `[V]`)."""
     states, chains, labels = [], [], []
     for row in tqdm(dataset, desc="target states", disable=not progress, leave=False):
         ids = torch.tensor(row["input_ids"][:max_length], device=target.device)

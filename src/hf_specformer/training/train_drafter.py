@@ -3,12 +3,8 @@
     python -m hf_specformer.training.train_drafter --data DISTILLED --output-dir runs/smollm2
     accelerate launch -m hf_specformer.training.train_drafter --data ... --output-dir ...      # several processes (DDP)
 
-The target stays frozen (its four hooked states per micro-batch, or kept in memory: `cache_target_states`); the
-drafter's context stage runs over every position, its slot stage at sampled positions, slot j learning token
-x_{t+2+j} of the reply (`losses.py`). The vocabulary-sized logits are never built for all slots at once
-(`intra_batch_backward`). Runs resume exactly (seeded data order and positions, atomic checkpoints,
-`checkpointing.py`); SIGTERM or Ctrl-C finishes the optimiser step and checkpoints. Beside this file: `config.py`,
-`data.py`, `losses.py`, `target_states.py`, `evaluation.py`; here: the drafter, optimiser, schedule and loop.
+The target stays frozen; the drafter's context stage runs over every position, its slot stage at sampled positions,
+slot j learning x_{t+2+j} (`losses.py`). Runs resume exactly; SIGTERM or Ctrl-C checkpoints and stops.
 """
 
 from __future__ import annotations
@@ -35,29 +31,12 @@ from transformers import HfArgumentParser, PreTrainedModel
 from hf_specformer.hub.export import export_drafter
 from hf_specformer.models.specformer import SpecFormerConfig, SpecFormerForDrafting
 from hf_specformer.targets import DTYPES, load_data_target
-from hf_specformer.training.checkpointing import (
-    StopOnSignal,
-    TrainerState,
-    append_metrics,
-    end_process_group,
-    list_checkpoints,
-    read_metrics,
-    restore_checkpoint,
-    save_checkpoint,
-    trim_metrics,
-    write_atomically,
-)
+from hf_specformer.training.checkpointing import (StopOnSignal, TrainerState, append_metrics, end_process_group,
+                                                  list_checkpoints, read_metrics, restore_checkpoint, save_checkpoint,
+                                                  trim_metrics, write_atomically)
 from hf_specformer.training.config import DrafterTrainingConfig
-from hf_specformer.training.data import (
-    Batch,
-    collate,
-    cut_loops,
-    epoch_batches,
-    load_distilled,
-    reply_vocabulary,
-    split_train_eval,
-    usable_rows,
-)
+from hf_specformer.training.data import (Batch, collate, cut_loops, epoch_batches, load_distilled, reply_vocabulary,
+                                         split_train_eval, usable_rows)
 from hf_specformer.training.evaluation import evaluate_kappa
 from hf_specformer.training.optimization import build_optimizer, warmup_cosine
 from hf_specformer.training.losses import SlotLosses, intra_batch_backward, sample_positions, slot_labels
@@ -84,24 +63,19 @@ class TrainingResult:
     completed: bool = True
 
 
-def build_drafter(
-    target: PreTrainedModel, config: DrafterTrainingConfig
-) -> tuple[SpecFormerForDrafting | PeftModel, frozenset[str]]:
-    """The drafter to train, in the target's dtype, bound to it, in training mode, and the names of its parameters
-    that `config.init_from` did not hold: freshly initialised (no names), or the weights of `config.init_from`
-    (continued training on new data, optionally gaining the next-token input; optimiser and schedule start afresh),
-    with `config.lora` wrapped as a `PeftModel` whose LoRA adapters alone train."""
+def build_drafter(target: PreTrainedModel,
+                  config: DrafterTrainingConfig) -> tuple[SpecFormerForDrafting | PeftModel, frozenset[str]]:
+    """The drafter to train (fresh, or `init_from`'s weights, as a `PeftModel` with `lora`), bound to the target,
+    and the names of its parameters that `init_from` did not hold."""
     if not config.init_from:
-        drafter_config = SpecFormerConfig.from_target_config(
-            target.config, draft_length=config.draft_length, next_token_input=config.next_token_input
-        )
+        drafter_config = SpecFormerConfig.from_target_config(target.config, draft_length=config.draft_length,
+                                                             next_token_input=config.next_token_input)
         drafter_config.intermediate_size = config.intermediate_size or drafter_config.intermediate_size
         drafter = SpecFormerForDrafting(drafter_config).to(target.dtype)
         return drafter.bind_target(target).train(), frozenset()
     extra = {"next_token_input": True} if config.next_token_input else {}
-    drafter, loading = SpecFormerForDrafting.from_pretrained(
-        config.init_from, dtype=target.dtype, output_loading_info=True, **extra
-    )
+    drafter, loading = SpecFormerForDrafting.from_pretrained(config.init_from, dtype=target.dtype,
+                                                             output_loading_info=True, **extra)
     if drafter.config.draft_length != config.draft_length:
         raise ValueError(
             f"`init_from` has draft_length {drafter.config.draft_length}, the run asks for {config.draft_length}."
@@ -134,16 +108,13 @@ def total_optimizer_steps(config: DrafterTrainingConfig, batches_per_epoch: int)
     return max(1, int(config.epochs * batches_per_epoch) // config.gradient_accumulation_steps)
 
 
-def micro_batches(
-    dataset: Dataset, config: DrafterTrainingConfig, accelerator: Accelerator, state: TrainerState
-) -> Iterator[tuple[int, int, list[int], Batch, random.Random]]:
+def micro_batches(dataset: Dataset, config: DrafterTrainingConfig, accelerator: Accelerator,
+                  state: TrainerState) -> Iterator[tuple[int, int, list[int], Batch, random.Random]]:
     """Endless `(epoch, batch index, row ids, batch, position rng)` from `state.epoch` / `state.batch_index` on."""
     epoch, first = state.epoch, state.batch_index
     while True:
-        batches = epoch_batches(
-            len(dataset), config.per_device_batch_size, accelerator.num_processes, accelerator.process_index,
-            epoch, config.seed,
-        )
+        batches = epoch_batches(len(dataset), config.per_device_batch_size, accelerator.num_processes,
+                                accelerator.process_index, epoch, config.seed)
         for index in range(first, len(batches)):
             rng = random.Random(f"positions-{config.seed}-{epoch}-{index}-{accelerator.process_index}")
             rows = batches[index]
@@ -151,10 +122,9 @@ def micro_batches(
         epoch, first = epoch + 1, 0
 
 
-def train_micro_batch(
-    accelerator: Accelerator, target_states: TargetStateCache, drafter: torch.nn.Module, row_ids: list[int],
-    batch: Batch, rng: random.Random, config: DrafterTrainingConfig,
-) -> SlotLosses:
+def train_micro_batch(accelerator: Accelerator, target_states: TargetStateCache, drafter: torch.nn.Module,
+                      row_ids: list[int], batch: Batch, rng: random.Random,
+                      config: DrafterTrainingConfig) -> SlotLosses:
     """Forward and backward of one micro-batch; `drafter` is the prepared (possibly DDP-wrapped) module."""
     unwrapped = accelerator.unwrap_model(drafter)
     with accelerator.autocast():
@@ -169,13 +139,12 @@ def train_micro_batch(
         labels = slot_labels(batch, positions, mask, num_slots)
         needs_states = config.feature_loss_weight > 0 or config.soft_label_weight > 0
         features = future_states(last, positions, num_slots) if needs_states else None
-        return intra_batch_backward(
-            unwrapped, output.slot_hidden_states, labels,
-            backward=lambda tensor, gradient: accelerator.backward(tensor, gradient=gradient),
-            feature_targets=features, feature_weight=config.feature_loss_weight,
-            num_ce_positions=config.ce_positions_per_sequence, soft_label_weight=config.soft_label_weight,
-            draft_vocab_loss=config.draft_vocab_loss,
-        )
+        return intra_batch_backward(unwrapped, output.slot_hidden_states, labels, backward=lambda tensor,
+                                    gradient: accelerator.backward(tensor, gradient=gradient), feature_targets=features,
+                                    feature_weight=config.feature_loss_weight,
+                                    num_ce_positions=config.ce_positions_per_sequence,
+                                    soft_label_weight=config.soft_label_weight,
+                                    draft_vocab_loss=config.draft_vocab_loss)
 
 
 class WindowStats:
@@ -193,9 +162,7 @@ class WindowStats:
         self.sequences += batch.lengths.shape[0]
 
     def summary(self, accelerator: Accelerator) -> dict:
-        """Losses averaged over micro-batches and processes (`loss` is the total, `slot_losses` the per-slot
-        cross-entropy, `feature_losses` and `soft_label_losses` the per-slot auxiliary losses), token and sequence
-        rates over all processes."""
+        """Losses averaged over micro-batches and processes, and token and sequence rates over all processes."""
         device = accelerator.device
         rows = [[losses.total, *losses.cross_entropy, *losses.feature, *losses.soft] for losses in self.losses]
         means = accelerator.reduce(torch.tensor(rows, device=device).mean(0), reduction="mean").tolist()
@@ -221,10 +188,8 @@ def evaluate_heldout(target: PreTrainedModel, drafter: SpecFormerForDrafting, ev
     return evaluate_kappa(target, drafter, rows, config.draft_length)
 
 
-def run_evaluation(
-    accelerator: Accelerator, target: PreTrainedModel, drafter: torch.nn.Module, eval_set: Dataset,
-    config: DrafterTrainingConfig, state: TrainerState, path: Path,
-) -> dict:
+def run_evaluation(accelerator: Accelerator, target: PreTrainedModel, drafter: torch.nn.Module, eval_set: Dataset,
+                   config: DrafterTrainingConfig, state: TrainerState, path: Path) -> dict:
     """kappa on the held-out split, on the main process only (the others wait); logged to the metrics file."""
     evaluation = {}
     if accelerator.is_main_process and len(eval_set) > 0:
@@ -235,9 +200,8 @@ def run_evaluation(
     return evaluation
 
 
-def train(
-    config: DrafterTrainingConfig, target: PreTrainedModel | None = None, dataset: Dataset | None = None
-) -> TrainingResult:
+def train(config: DrafterTrainingConfig, target: PreTrainedModel | None = None,
+          dataset: Dataset | None = None) -> TrainingResult:
     """Trains a drafter for `config.target` (or the given `target` model) on `config.data` (or `dataset`)."""
     accelerator = Accelerator(
         mixed_precision=config.mixed_precision,
@@ -338,10 +302,8 @@ def train(
     return TrainingResult(drafter=unwrapped, optimizer=optimizer, state=state, evaluation=evaluation)
 
 
-def initial_evaluation(
-    accelerator: Accelerator, target: PreTrainedModel, drafter: torch.nn.Module, eval_set: Dataset,
-    config: DrafterTrainingConfig, path: Path,
-) -> dict:
+def initial_evaluation(accelerator: Accelerator, target: PreTrainedModel, drafter: torch.nn.Module, eval_set: Dataset,
+                       config: DrafterTrainingConfig, path: Path) -> dict:
     """With `init_from`, kappa of the starting drafter on the held-out split (what the run improves on), logged as
     step 0; read back from the log when the run resumes. Empty for a drafter trained from scratch."""
     if not config.init_from:
@@ -353,10 +315,8 @@ def initial_evaluation(
     return run_evaluation(accelerator, target, drafter, eval_set, config, TrainerState(), path)
 
 
-def export_trained(
-    accelerator: Accelerator, drafter: SpecFormerForDrafting | PeftModel, output_dir: Path,
-    config: DrafterTrainingConfig,
-) -> SpecFormerForDrafting:
+def export_trained(accelerator: Accelerator, drafter: SpecFormerForDrafting | PeftModel, output_dir: Path,
+                   config: DrafterTrainingConfig) -> SpecFormerForDrafting:
     """Writes the trained drafter's Hub folder (`drafter/`) on the main process and returns the drafter. A LoRA
     run first saves its adapter (`adapter/`) and then merges it into the drafter's weights."""
     if isinstance(drafter, PeftModel):

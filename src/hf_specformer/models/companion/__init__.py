@@ -1,8 +1,4 @@
-"""Speculative Verification companion: configuration, modeling, and registration with the `Auto*` classes.
-
-As for the drafter, `register_for_auto_class` makes `save_pretrained` write `auto_map` and copy the two model files,
-so Hub users load it with `AutoModel.from_pretrained(..., trust_remote_code=True)`.
-"""
+"""Speculative Verification companion: configuration, modeling, and registration with the `Auto*` classes."""
 
 from transformers import AutoConfig, AutoModel
 

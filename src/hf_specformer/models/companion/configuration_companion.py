@@ -67,15 +67,10 @@ class CompanionConfig(PreTrainedConfig):
         """A companion configuration for a decoder-only target (Llama, Qwen2/3, Mistral, ...)."""
         text_config = target_config.get_text_config()
         architectures = getattr(target_config, "architectures", None) or []
-        return cls(
-            hidden_size=text_config.hidden_size,
-            vocab_size=text_config.vocab_size,
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-            target_model_type=text_config.model_type,
-            target_architecture=architectures[0] if architectures else None,
-            target_name_or_path=getattr(target_config, "_name_or_path", None) or None,
-            **kwargs,
-        )
+        return cls(hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
+                   rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6), target_model_type=text_config.model_type,
+                   target_architecture=architectures[0] if architectures else None,
+                   target_name_or_path=getattr(target_config, "_name_or_path", None) or None, **kwargs)
 
 
 __all__ = ["CompanionConfig"]

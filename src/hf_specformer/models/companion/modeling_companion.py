@@ -209,9 +209,8 @@ class CompanionForVerification(CompanionPreTrainedModel):
         return logits.index_copy_(logits.ndim - 1, self.vocab_ids, rows)
 
     # ----- forward ---------------------------------------------------------------------------------------------
-    def forward(
-        self, hidden_states: torch.Tensor, input_ids: torch.LongTensor, return_logits: bool = True
-    ) -> CompanionOutput:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.LongTensor,
+                return_logits: bool = True) -> CompanionOutput:
         r"""
         Args:
             hidden_states (`[B, d]`): the target's last hidden state (after its final norm) at each row's last

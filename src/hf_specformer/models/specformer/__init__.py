@@ -1,8 +1,5 @@
-"""SpecFormer drafter: configuration, modeling, and registration with the `Auto*` classes.
-
-`AutoConfig.register`/`AutoModel.register` serve package users; `register_for_auto_class` makes `save_pretrained`
-write `auto_map` and copy the two model files, so Hub users load the drafter with `trust_remote_code=True`.
-"""
+"""SpecFormer drafter: configuration, modeling, and registration with the `Auto*` classes (and `auto_map` on save,
+for Hub users with `trust_remote_code=True`)."""
 
 from transformers import AutoConfig, AutoModel
 

@@ -114,9 +114,8 @@ class SpecFormerConfig(PreTrainedConfig):
             )
 
     @classmethod
-    def from_target_config(
-        cls, target_config: PreTrainedConfig, draft_length: int = 8, hook_layers: list[int] | None = None, **kwargs
-    ) -> "SpecFormerConfig":
+    def from_target_config(cls, target_config: PreTrainedConfig, draft_length: int = 8,
+                           hook_layers: list[int] | None = None, **kwargs) -> "SpecFormerConfig":
         """Derives a drafter configuration from a target's (Llama, Qwen2, Qwen3, Mistral, ...).
 
         Copies hidden size, heads, KV heads, head dim, RoPE parameters, RMS eps, intermediate size and vocab size;
@@ -134,24 +133,17 @@ class SpecFormerConfig(PreTrainedConfig):
                 "target with a final norm, an lm_head and rotary embeddings (Llama, Qwen2, Qwen3, Mistral, ...)."
             )
         architectures = getattr(target_config, "architectures", None) or []
-        return cls(
-            hidden_size=text_config.hidden_size,
-            intermediate_size=text_config.intermediate_size,
-            num_attention_heads=text_config.num_attention_heads,
-            num_key_value_heads=getattr(text_config, "num_key_value_heads", None),
-            head_dim=getattr(text_config, "head_dim", None),
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(getattr(text_config, "rope_parameters", None) or {}) or None,
-            max_position_embeddings=getattr(text_config, "max_position_embeddings", 8192),
-            vocab_size=text_config.vocab_size,
-            num_target_layers=text_config.num_hidden_layers,
-            draft_length=draft_length,
-            hook_layers=hook_layers,
-            target_model_type=text_config.model_type,
-            target_architecture=architectures[0] if architectures else None,
-            target_name_or_path=getattr(target_config, "_name_or_path", None) or None,
-            **kwargs,
-        )
+        return cls(hidden_size=text_config.hidden_size, intermediate_size=text_config.intermediate_size,
+                   num_attention_heads=text_config.num_attention_heads,
+                   num_key_value_heads=getattr(text_config, "num_key_value_heads", None),
+                   head_dim=getattr(text_config, "head_dim", None),
+                   rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
+                   rope_parameters=dict(getattr(text_config, "rope_parameters", None) or {}) or None,
+                   max_position_embeddings=getattr(text_config, "max_position_embeddings", 8192),
+                   vocab_size=text_config.vocab_size, num_target_layers=text_config.num_hidden_layers,
+                   draft_length=draft_length, hook_layers=hook_layers, target_model_type=text_config.model_type,
+                   target_architecture=architectures[0] if architectures else None,
+                   target_name_or_path=getattr(target_config, "_name_or_path", None) or None, **kwargs)
 
 
 __all__ = ["SpecFormerConfig"]

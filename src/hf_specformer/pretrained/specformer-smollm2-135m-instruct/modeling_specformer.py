@@ -148,16 +148,9 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention: q `[B, H, T, hd]`, k/v `[B, KV, S, hd]`, additive mask `[B, 1, T, S]` -> `[B, T, H, hd]`.
 
     Softmax runs in float32.
@@ -195,13 +188,8 @@ class SpecFormerAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values: Cache | None = None) -> torch.Tensor:
         """hidden_states `[N, S, d]` -> `[N, S, d]`."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -213,9 +201,8 @@ class SpecFormerAttention(nn.Module):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                              eager_attention_forward)
         attn_output, _ = attention_interface(
             self,
             query_states,
@@ -254,9 +241,8 @@ class SpecFormerContextBlock(nn.Module):
         self.input_layernorm = SpecFormerRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = SpecFormerAttention(config, is_causal=True)
 
-    def forward(
-        self, hooked_states, position_embeddings, attention_mask, past_key_values, next_token_embeds=None
-    ) -> torch.Tensor:
+    def forward(self, hooked_states, position_embeddings, attention_mask, past_key_values,
+                next_token_embeds=None) -> torch.Tensor:
         """hooked_states `[B, T, 4, d]` (and next_token_embeds `[B, T, d]` with `next_token_input`) -> `[B, T, d]`."""
         fused = self.down_proj(self.hooked_norm(hooked_states).flatten(-2))  # [B, T, 4d] -> [B, T, d]
         if self.next_token_input is not None:
@@ -483,18 +469,11 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         return self._draft_head[1]
 
     # ----- forward ---------------------------------------------------------------------------------------------
-    def forward(
-        self,
-        hooked_states: Sequence[torch.Tensor] | torch.Tensor,
-        position_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool = True,
-        draft_positions: torch.LongTensor | None = None,
-        num_draft_tokens: int | None = None,
-        return_logits: bool = True,
-        next_token_ids: torch.LongTensor | None = None,
-    ) -> SpecFormerOutput:
+    def forward(self, hooked_states: Sequence[torch.Tensor] | torch.Tensor,
+                position_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, use_cache: bool = True,
+                draft_positions: torch.LongTensor | None = None, num_draft_tokens: int | None = None,
+                return_logits: bool = True, next_token_ids: torch.LongTensor | None = None) -> SpecFormerOutput:
         r"""
         Args:
             hooked_states: the 4 hooked target states of the T new positions, a sequence of 4 tensors `[B, T, d]`
@@ -528,9 +507,8 @@ class SpecFormerForDrafting(SpecFormerPreTrainedModel):
         mask = self._context_attention_mask(attention_mask, batch, past_length, new_positions, hooked_states)
         position_embeddings = self.rotary_emb(hooked_states, position_ids)
         next_token_embeds = self._embed_next_tokens(next_token_ids, hooked_states)
-        context_states = self.context_block(
-            hooked_states, position_embeddings, mask, past_key_values, next_token_embeds
-        )  # [B, T, d]
+        context_states = self.context_block(hooked_states, position_embeddings, mask, past_key_values,
+                                            next_token_embeds)  # [B, T, d]
         if draft_positions.shape[1] == 0:  # context only: the cache grows, nothing is drafted
             return SpecFormerOutput(cache=past_key_values)
         index = draft_positions[..., None].expand(-1, -1, context_states.shape[-1])

@@ -13,6 +13,7 @@ import dataclasses
 import weakref
 from dataclasses import dataclass
 
+import numpy
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -32,9 +33,8 @@ from .verification import resolved_backend, verify_greedy, verify_sampling
 logger = logging.get_logger(__name__)
 
 LEARNT_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""target -> {(proposer kind, k, companion, slots): StepCosts} the process's calls learnt: a call starts where the
-last of its size on the same target left off, instead of paying again for the steps that learn whether drafting pays
-(one per size: another size's costs would stand in for those not yet timed)."""
+"""target -> {(proposer kind, k, companion, slots): StepCosts}: a call starts where the last of its kind left off
+instead of paying again for the steps that learn whether drafting pays."""
 
 VOCABULARY_COPIES = 4
 """Vocabulary-wide tensors a step holds per verified input (logits, scores, probabilities, drafts')."""
@@ -135,9 +135,8 @@ class _Call:
 
 @contextlib.contextmanager
 def record_hidden_states(model, indices):
-    """Context: keeps, in the list it yields (L + 1 entries, None elsewhere), the hidden states at `indices` of each
-    forward run inside it, numbered as `output_hidden_states=True` numbers them (0: the first layer's input, L: the
-    decoder's normed output), without keeping the others alive. The hooks are installed once, for the call."""
+    """Context yielding a list (L + 1 entries) that holds the hidden states at `indices` of each forward inside it,
+    numbered as `output_hidden_states=True` numbers them (0: the embeddings, L: the normed output); the others None."""
     decoder, num_layers = model.get_decoder(), model.config.get_text_config().num_hidden_layers
     if any(not 0 <= index <= num_layers for index in indices):
         raise ValueError(f"Hidden-state indices {sorted(indices)} outside 0..{num_layers} (the target's layers).")
@@ -168,23 +167,20 @@ def target_forward(model, input_ids, attention_mask, position_ids, cache, logits
 
 
 def _mask_shape(model) -> str:
-    """The step mask a target's attention takes whole: a 4D additive one for `sdpa`-like and `eager` attention, else
-    the 2D validity mask (flash and flex attention build their own)."""
+    """The step mask a target's attention takes whole: 4D additive for `sdpa`-like and `eager`, else 2D."""
     function = ALL_MASK_ATTENTION_FUNCTIONS.get(model.config._attn_implementation)
     return "float" if function in (sdpa_mask, eager_mask) else "2d"
 
 
 def _copies_key_value_heads(model) -> bool:
-    """Whether the target's attention is `sdpa` on grouped key/value heads, which it repeats for masked multi-query
-    forwards (`hf_specformer.attention`)."""
+    """Whether the target's attention is `sdpa` on grouped key/value heads (copied per masked multi-query forward)."""
     config = model.config.get_text_config()
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return model.config._attn_implementation == "sdpa" and kv_heads < config.num_attention_heads
 
 
 def slot_bytes(model, proposer: Proposer, prompt_width: int, max_new_tokens: int) -> int:
-    """Most bytes one decoding row takes: its cache columns (the target's and the proposer's), `VOCABULARY_COPIES`
-    vocabulary-wide tensors per verified input, and the hidden states its prefill records."""
+    """Most bytes one decoding row takes: its caches' columns, vocabulary-wide tensors and prefill states."""
     config = model.config.get_text_config()
     k, size = proposer.num_draft_tokens, model.dtype.itemsize
     column = kv_bytes_per_column(config, config.num_hidden_layers, model.dtype) + proposer.cache_bytes_per_column
@@ -196,12 +192,9 @@ def slot_bytes(model, proposer: Proposer, prompt_width: int, max_new_tokens: int
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer=None,
                        speculation: SpeculationConfig | None = None, companion=None, acceptance_table=None,
                        speculative_streamer=None, row_finished=None, seeds=None, **model_kwargs):
-    """Batched lossless speculative decoding, as `GenerationMixin.generate` calls a decoding method: prompts
-    `input_ids` `[B, P]` (left padded; `model_kwargs`: `attention_mask` and the fresh `DynamicCache`), drafts from
-    `proposer` (a `Proposer`), the resolved `speculation` config, a bound `companion`, the estimator's
-    `acceptance_table`, a streamer (B = 1), `row_finished` (called with each `FinishedRow`; a `RowFeed` also keeps
-    the call running: rows join and are cancelled between steps, each step's tokens are told) and per-row sampling
-    `seeds` `[B]`. Returns `[B, P + N]` sequences, or a `SpeculativeDecoderOnlyOutput`."""
+    """Batched lossless speculative decoding, called by `GenerationMixin.generate` on left-padded `input_ids` `[B, P]`
+    with drafts from `proposer`; `row_finished` is called with each `FinishedRow` (a `RowFeed` keeps the call
+    running). Returns `[B, P + N]` sequences, or a `SpeculativeDecoderOnlyOutput`."""
     speculation, feed = speculation or SpeculationConfig(), row_finished if isinstance(row_finished, RowFeed) else None
     if proposer is None:
         raise ValueError("Speculative decoding needs `proposer=`; use `hf_specformer.generate(assistant_model=...)`.")
@@ -325,16 +318,18 @@ def _decode(call: _Call, batch: RaggedBatch, admissions: Admissions) -> None:
 
 def _choose(call: _Call, batch: RaggedBatch, plan: StepPlan) -> list[int]:
     """Drafts each active row verifies (0 for finished rows and without drafts)."""
-    if not plan.draft_ids.shape[1]:
+    width = plan.draft_ids.shape[1]
+    if not width:
         return [0] * batch.size
-    counts = call.schedule.choose(plan.scores, batch.size, batch.num_live, plan.drafted)
-    return [0 if done else min(n, plan.draft_ids.shape[1]) for n, done in zip(counts.tolist(), batch.host_finished)]
+    if plan.scores is None:  # a fixed schedule without a threshold: all of them
+        return [0 if done else width for done in batch.host_finished]
+    counts = call.schedule.choose(plan.scores, batch.size, batch.num_live, plan.drafted).tolist()
+    return [0 if done else min(n, width) for n, done in zip(counts, batch.host_finished)]
 
 
 def _verify(call: _Call, batch: RaggedBatch, plan: StepPlan, logits, num_drafts, width: int):
     """The target's logits `[B, w + 1, V]` against the drafts -> (tokens `[B, w + 1]`, accepted drafts `[B]`):
-    greedy matching (seeded rows: of the perturbed scores), or rejection sampling against the drafts'
-    distributions (one-hot for fixed drafts)."""
+    greedy matching, or rejection sampling against the drafts' distributions (one-hot for fixed drafts)."""
     scores = call.processor(batch, logits)
     drafts, backend = plan.draft_ids[:, :width], call.speculation.kernel_backend
     if not call.selector.rejection_sampling:
@@ -346,8 +341,7 @@ def _verify(call: _Call, batch: RaggedBatch, plan: StepPlan, logits, num_drafts,
 
 
 def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted, last_ids) -> StepPlan:
-    """A proposal -> the plan of the next step after the committed `last_ids` `[B, 1]` (a finished row's: any token):
-    draft tokens (processed, argmax or sampled; fixed drafts in place), and the scores the schedule chooses from."""
+    """A proposal -> the next step's plan after the committed `last_ids` `[B, 1]`: draft tokens and their scores."""
     if proposal.empty:
         return StepPlan.plain(last_ids)
     shape, device = (batch.size, call.proposer.num_draft_tokens), batch.tokens.device
@@ -370,9 +364,8 @@ def _plan(call: _Call, batch: RaggedBatch, proposal: Proposal, last_accepted, la
 
 
 def _draft_tokens(call: _Call, batch: RaggedBatch, proposal: Proposal, sources):
-    """The network's draft logits -> draft ids `[B, k]` and their processed probabilities `[B, k, V]` (None when
-    neither sampling nor the schedule reads them). Slot j is processed with the prefix and drafts 1..j-1, one slot at
-    a time (the drafts written as scratch) when a processor reads the prefix."""
+    """The network's draft logits -> draft ids `[B, k]` and their processed probabilities `[B, k, V]` (None where
+    unread); slot j is processed after drafts 1..j-1 when a processor reads the prefix."""
     fixed = sources == LOOKUP if proposal.ids is not None else None
 
     def select(scores, start: int) -> torch.LongTensor:
@@ -404,8 +397,7 @@ def _companion_probs(call: _Call, last_ids, last_accepted, draft_ids) -> torch.T
 
 
 def _read(call: _Call, batch: RaggedBatch, plan: StepPlan, num_accepted=None, window: int = 1) -> StepResult:
-    """One host read of the finished rows, the rows' valid entries, the accepted drafts and the next plan's scores,
-    and for a feed each row's last `window` tokens (`_tell`)."""
+    """The step's one host read: finished rows, lengths, accepted drafts, the next plan's scores (a feed: tokens)."""
     size = batch.size
     parts = [batch.finished, batch.lengths] + ([] if num_accepted is None else [num_accepted])
     parts += [] if call.feed is None else [_last_tokens(batch, window).flatten()]
@@ -432,14 +424,15 @@ def _record(call: _Call, batch: RaggedBatch, plan: StepPlan, counts, width, was_
     call.stats.record(width, sum(counts), result.accepted, was_live)
     call.rows.record(batch.host_rows, result.accepted, was_live)
     call.stats.drafting_steps += plan.drafted
+    verified = numpy.arange(plan.draft_ids.shape[1]) < numpy.array(counts)[:, None]  # [B, k]
     if plan.scores is not None:
-        call.stats.predicted_accepted += sum(sum(row[:n]) for row, n in zip(plan.scores.tolist(), counts))
+        call.stats.predicted_accepted += float(plan.scores.numpy()[verified].sum())
     if plan.free is not None:
-        call.stats.looked_up += sum(sum(row[:n]) for row, n in zip(plan.free.tolist(), counts))
+        call.stats.looked_up += int(plan.free.numpy()[verified].sum())
 
 
 def _settle(call: _Call, batch: RaggedBatch, caches: list, plan: StepPlan, result: StepResult) -> StepPlan:
-    """After a step's read: tells of rows that ended, drops finished rows once the batch can shrink, and compacts the
+    """After a step's read: reports rows that ended, drops finished rows once the batch can shrink, compacts the
     caches when holes dominate or the next step would not fit. Returns the plan of the rows kept."""
     plan.scores, plan.free = result.scores, result.free
     batch.host_finished, batch.max_length, batch.min_length = result.finished, result.max_length, result.min_length
@@ -474,9 +467,8 @@ def _select(call: _Call, batch: RaggedBatch, caches: list, plan: StepPlan | None
 
 def _admit(call: _Call, batch: RaggedBatch, caches: list, rows: list[int], plan: StepPlan | None,
            wants: tuple[bool, bool]) -> StepPlan:
-    """Brings `rows` into the batch: finished rows leave; the new rows' prefill runs on caches of their own (into an
-    empty batch: on the running ones), commits their first tokens and plans their first drafts (`wants`: the
-    schedule's (draft, free) for the next step); then their caches, rows and plan join the running ones."""
+    """Brings `rows` into the batch: their prefill on caches of their own, their first tokens and drafts (`wants`:
+    the schedule's (draft, free)); then their caches, rows and plan join the running ones."""
     if batch.num_live < batch.size:
         plan = _select(call, batch, caches, plan, batch.live_rows())
     if batch.size:
@@ -521,8 +513,7 @@ def _set_rows(call: _Call, batch: RaggedBatch, rows: list[int], new: list[NewRow
 
 
 def _take_rows(call: _Call, batch: RaggedBatch, admissions: Admissions) -> bool:
-    """Between steps: cancels the rows the feed asks to, and queues its new rows in rows that ended (or new ones).
-    Waits while nothing runs or waits; False once the feed has closed and nothing is left."""
+    """Between steps: cancels rows and queues new ones from the feed; False once it has closed and nothing is left."""
     idle = not batch.num_live and not admissions.waiting
     polled = call.feed.poll(idle)
     if polled is None:
@@ -565,8 +556,7 @@ def _tell(call: _Call, batch: RaggedBatch, values: list[list[int]], window: int)
 
 
 def _new_caches(call: _Call, capacity: int, slots: int | None = None) -> list:
-    """The target's cache (with the layer kinds of `generate`'s) and the proposer's, of `capacity` columns and `slots`
-    rows (None: those of the first prefill)."""
+    """The target's cache and the proposer's, of `capacity` columns and `slots` rows (None: the first prefill's)."""
     num_layers = call.model.config.get_text_config().num_hidden_layers
     caches = [PreallocatedCache.like(call.given_cache, num_layers, capacity, slots)]
     if call.proposer.num_cache_layers:

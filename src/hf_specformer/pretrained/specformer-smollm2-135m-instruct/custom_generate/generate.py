@@ -3,13 +3,8 @@
     out = target.generate(**inputs, assistant_model=draft, custom_generate=drafter_dir, trust_remote_code=True)
     out = hf_specformer.generate(target, **inputs, assistant_model=draft)
 
-The drafter folder's `custom_generate/generate.py` (with its siblings: it imports only torch and transformers). It
-takes `generate`'s arguments and four of its own: `companion_model` (a `CompanionForVerification`, whose (S, A)
-signals the goodput scheduler reads), `speculation_config` (a `SpeculationConfig` or a dict of its fields),
-`sampling_seeds` (one int per row: its sampled text then depends only on its seed) and `row_finished` (called with
-a `FinishedRow` as each row ends; a `RowFeed` keeps the call running, as a server's engine). transformers'
-assisted-generation names work too (`num_assistant_tokens`, ...).
-`assistant_model` is a SpecFormer drafter or a `Proposer`; the output's `speculation_stats` is a `SpecStats`.
+Takes `generate`'s arguments (transformers' assisted-generation names included) and four of its own:
+`companion_model`, `speculation_config`, `sampling_seeds` and `row_finished` (see `generate`).
 """
 
 from __future__ import annotations
@@ -24,15 +19,8 @@ from .engine import speculative_decode
 from .proposers import NoDrafts, PromptLookupProposer, Proposer, SpecFormerProposer
 from .speculation import TRANSFORMERS_NAMES, SpeculationConfig
 from .suffix import SuffixIndex, SuffixProposer
-from .validation import (
-    check_arguments,
-    check_cache_layers,
-    check_logits_processors,
-    check_prompt,
-    max_new_tokens,
-    resolved_config,
-    resolved_pad_token_id,
-)
+from .validation import (check_arguments, check_cache_layers, check_logits_processors, check_prompt, max_new_tokens,
+                         resolved_config, resolved_pad_token_id)
 
 
 def _bound(model, helper, model_type: str, argument: str):
@@ -88,8 +76,7 @@ def _row_seeds(sampling_seeds, config, num_prompts: int, device):
 
 
 def _without(generation_config, kwargs: dict, names):
-    """Removes `names` from `kwargs` (in place) and from a copy of `generation_config`: arguments handled here,
-    which `GenerationMixin.generate` must not act on."""
+    """Removes `names`, handled here, from `kwargs` (in place) and from a copy of `generation_config`."""
     for name in names:
         kwargs.pop(name, None)
     if generation_config is not None and any(getattr(generation_config, name, None) is not None for name in names):
@@ -105,8 +92,16 @@ def generate(model, inputs: torch.Tensor | None = None, generation_config=None, 
              assistant_model=None, streamer=None, negative_prompt_ids=None, negative_prompt_attention_mask=None,
              companion_model=None, speculation_config: SpeculationConfig | dict | None = None, sampling_seeds=None,
              row_finished=None, **kwargs):
-    """Speculative `generate` for `model` (the target, or a PEFT model of one) with `assistant_model` drafting; see
-    the module docstring."""
+    """Speculative `generate` for `model` (the target, or a PEFT model of one); `generate`'s arguments, and:
+
+    Args:
+        assistant_model: a SpecFormer drafter (bound to `model`) or a `Proposer`.
+        companion_model: a `CompanionForVerification`, whose (S, A) signals the goodput scheduler reads.
+        speculation_config: a `SpeculationConfig` or a dict of its fields.
+        sampling_seeds: one int per row: a row's sampled text then depends only on its seed.
+        row_finished: called with a `FinishedRow` as each row ends (a `RowFeed` keeps the call running).
+    Returns what `generate` returns; a dict output's `speculation_stats` is a `SpecStats`.
+    """
     if prefix_allowed_tokens_fn is not None or negative_prompt_ids is not None:
         raise ValueError("`prefix_allowed_tokens_fn` and negative prompts are not supported with speculation.")
     fields = [name for name in kwargs if name in {f.name for f in dataclasses.fields(SpeculationConfig)}]

@@ -1,14 +1,8 @@
 """Proposers: where drafts come from. Two hooks, as `transformers`' `CandidateGenerator` has:
 
-- `propose(batch, step, caches, draft, free)`, after every target forward (`TargetStep`): a `Proposal` of the k tokens
-  after each row's newly committed token: the network's draft logits `[B, k, V]` and/or fixed drafts of a free
-  source. `draft=False`: the network does not draft and may defer its work (a plain step then costs what plain
-  decoding's does); `free=False`: nothing is proposed.
-- `flush(batch, caches)`: runs deferred work, before the engine moves rows or columns of the caches (it owns them all;
-  a proposer declares `num_cache_layers`).
-
-`SpecFormerProposer` (the drafter, fused with verification), `PromptLookupProposer` (what followed the row's last n
-tokens earlier), `OracleProposer` (a known continuation: the engine's ceiling).
+- `propose(batch, step, caches, draft, free)` after every target forward: a `Proposal` of k tokens per row, network
+  logits and/or fixed drafts. `draft=False`: the network may defer its work; `free=False`: nothing is proposed.
+- `flush(batch, caches)`: runs deferred work before the engine moves the caches' rows or columns.
 """
 
 from __future__ import annotations
@@ -121,13 +115,8 @@ class OracleProposer(Proposer):
 
 
 class SpecFormerProposer(Proposer):
-    """Drafts with a `SpecFormerForDrafting` bound to the target (see the module docstring).
-
-    A call with `draft=False` defers the context stage: it keeps the step's hooked states, positions and next tokens
-    (`[B, T, 4, d]`, `[B, T]`, `[B, T]`) and feeds them, in order, ahead of the next drafting call's inputs. The
-    context attention is causal in cache order under the final mask, so its states at accepted inputs are those of
-    feeding each step on its own.
-    """
+    """Drafts with a `SpecFormerForDrafting` bound to the target. With `draft=False` the context stage is deferred:
+    the step's inputs are fed ahead of the next drafting call's (causal in cache order, so nothing changes)."""
 
     def __init__(self, drafter: torch.nn.Module, num_draft_tokens: int | None = None):
         config = drafter.config
@@ -160,19 +149,17 @@ class SpecFormerProposer(Proposer):
         `draft_positions` `[B, 1]` (None: context only)."""
         inputs, self.deferred = self.deferred, []
         hooked, position_ids, next_token_ids = (torch.cat(parts, dim=1) for parts in zip(*inputs))
-        output = self.drafter(
-            hooked, position_ids=position_ids, attention_mask=batch.attention_mask, past_key_values=cache,
-            draft_positions=position_ids[:, :0] if draft_positions is None else draft_positions,
-            num_draft_tokens=self.num_draft_tokens, next_token_ids=next_token_ids,
-        )
+        output = self.drafter(hooked, position_ids=position_ids, attention_mask=batch.attention_mask,
+                              past_key_values=cache,
+                              draft_positions=position_ids[:, :0] if draft_positions is None else draft_positions,
+                              num_draft_tokens=self.num_draft_tokens, next_token_ids=next_token_ids)
         return None if draft_positions is None else output.logits[:, 0]
 
 
 def ngram_lookup(tokens: torch.LongTensor, prefix: torch.LongTensor, num_draft_tokens: int, max_ngram_size: int,
                  min_ngram_size: int = 2):
-    """Prompt lookup (Saxena, 2023): the last n tokens of each row's prefix (`tokens` `[B, W]`, the first `prefix[b]`
-    committed), n = max_ngram_size down to min_ngram_size, searched among the row's earlier tokens; what followed
-    their latest occurrence are the drafts. Returns drafts `[B, k]`, found `[B, k]` and the matched n `[B]`."""
+    """Prompt lookup (Saxena, 2023): what followed the latest earlier occurrence of each row's last n tokens (`tokens`
+    `[B, W]`, `prefix[b]` committed), n from `max_ngram_size` down -> drafts `[B, k]`, found `[B, k]`, n `[B]`."""
     width = tokens.shape[1]
     continuation = torch.full_like(prefix, -1)  # [B] first column after the matched occurrence
     matched = torch.zeros_like(prefix)
@@ -196,8 +183,7 @@ that disagrees with it replaces its drafts (a 2-gram match is right about 30% of
 
 
 def network_confidence(logits: torch.Tensor) -> torch.Tensor:
-    """Unprocessed draft logits `[B, j, V]` -> `[B, j]` the probability of the most likely draft (a choice of
-    source only; verification stays lossless either way)."""
+    """Unprocessed draft logits `[B, j, V]` -> `[B, j]` the most likely draft's probability (to choose a source)."""
     return logits.float().softmax(-1).amax(-1)
 
 
@@ -216,9 +202,8 @@ class WrappingProposer(Proposer):
 
 
 class PromptLookupProposer(WrappingProposer):
-    """Another proposer's drafts, replaced by prompt lookup where a match supplies them, the wrapped proposal has no
-    fixed drafts there, and the network, where it drafted, agrees on the first draft or is unsure of its own.
-    Looked-up drafts cost no forward, and text often repeats its prompt or itself.
+    """Another proposer's drafts, replaced by prompt lookup's where a match exists and the network, if it drafted,
+    agrees on the first draft or is unsure of its own (looked-up drafts cost no forward).
 
     Args:
         proposer: the proposer whose drafts are used where lookup finds nothing.

@@ -1,11 +1,8 @@
-"""How many drafts each row verifies: a fixed schedule, or the goodput scheduler with its costs and its guard.
+"""How many drafts each row verifies: `wants` (what to propose), `choose` (from the scores), `observe` (timed steps).
 
-Each step the engine asks what to propose (`wants`), gives the scores on the host (q_{b,j}, or cumulative confidence)
-and gets the drafts each row verifies (`choose`), and after the step's read hands over what it did (`observe`).
-`FixedSchedule` verifies all k (or the drafts above a confidence threshold). `GoodputSchedule` (Speculative
-Verification, section 5) picks the width w maximising (L + sum_b sum_{j <= w} q_{b,j}) / t(B, w), w = 0 included, on
-`StepCosts` learnt from the call's steps; it drafts only when drafting is expected to pay, and its guard (`HandOff`)
-hands a call that falls behind plain decoding over to plain steps. The reasoning: docs/scheduler.md.
+`FixedSchedule` verifies all k (or those above a confidence threshold). `GoodputSchedule` (Speculative Verification,
+section 5) picks the width w maximising (L + sum_b sum_{j <= w} q_{b,j}) / t(B, w) on learnt `StepCosts`, and its
+guard (`HandOff`) hands a call that falls behind plain decoding over to plain steps. Reasoning: docs/scheduler.md.
 """
 
 from __future__ import annotations
@@ -60,9 +57,8 @@ speculation that never pays costs it at most `HANDOFF_LOSS` plain steps in 128."
 
 
 class StepClock:
-    """Times steps without blocking: the wall clock on the CPU, CUDA events read once complete on a GPU. `lap(label)`
-    ends a segment of the current step; `end(label)` ends the step; `read()` returns `(label, [seconds of each
-    segment])` for the steps whose end has passed."""
+    """Times steps without blocking (CUDA events read once complete on a GPU): `lap` ends a segment, `end(label)` the
+    step; `read()` -> `(label, [seconds per segment])` of the steps done."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -111,10 +107,8 @@ class TimedStep:
 
 @dataclass
 class StepCosts:
-    """Seconds of a step, per batch size: t(B, w) = t_plain(B) + t_input(B) B w for a step verifying w drafts per
-    row, and t_draft(B) for drafting. Learnt from timed steps (each a running mean, `COST_DECAY`); for a batch size
-    not yet timed, the nearest one timed stands in, else the priors (in seconds per row). Keep one across calls to
-    start where the last left off.
+    """Seconds of a step per batch size, t(B, w) = t_plain(B) + t_input(B) B w, and t_draft(B), learnt from timed
+    steps (the nearest batch size timed, else the priors per row, stands in).
 
     Args:
         plain: prior t_plain(B) / B (None: unknown until a plain step is timed).
@@ -146,8 +140,7 @@ class StepCosts:
         return self.get("plain", batch_size) + self.get("input", batch_size) * batch_size * width
 
     def observe_step(self, batch_size: int, width: int, seconds: float) -> None:
-        """A step's verifying seconds at `width`: t_input(B) is their slope over the inputs beyond one per row, fitted
-        over every kind of step with forgetting (`INPUT_COST_DECAY`), so the machine's drift moves all widths alike."""
+        """A step's verifying seconds at `width`: t_input(B) is their slope over the inputs, fitted with forgetting."""
         if not self.learn:
             return
         sums, inputs = self.moments.setdefault(batch_size, [0.0] * 5), batch_size * width
@@ -165,11 +158,9 @@ class StepCosts:
 
 
 class HandOff:
-    """The guard, a one-sided CUSUM test: each verifying step adds its seconds minus (1 + `HANDOFF_MARGIN`) times
-    what plain steps would have taken for the tokens it committed, to a deficit floored at -`HANDOFF_CREDIT` plain
-    steps (a call starts there); proposing for the next step is added after the test, weighed with the step that
-    reaps it. Beyond `HANDOFF_LOSS` plain steps the call runs `HANDOFF_BACKOFF` x 2^min(n - 1, 2) plain steps (the
-    n-th hand-off). Each spell of speculation thus loses at most a bounded number of plain steps' time."""
+    """The guard, a one-sided CUSUM test: each verifying step adds its seconds minus what plain steps would have taken
+    for its tokens to a deficit floored at -`HANDOFF_CREDIT` plain steps; beyond `HANDOFF_LOSS` the call runs
+    `HANDOFF_BACKOFF` x 2^min(n - 1, 2) plain steps (the n-th hand-off): a spell of speculation loses a bounded time."""
 
     def __init__(self):
         self.deficit: float | None = None
@@ -199,8 +190,7 @@ class HandOff:
 
 
 def longest_confident_prefix(cumulative: torch.Tensor, threshold: float) -> torch.LongTensor:
-    """`[B, k]` cumulative confidence -> `[B]` drafts whose cumulative confidence reaches `threshold` (at least 1,
-    0 for rows without drafts)."""
+    """`[B, k]` cumulative confidence -> `[B]` drafts reaching `threshold` (at least 1; 0 without drafts)."""
     return ((cumulative >= threshold).sum(1).clamp(min=1) * (cumulative[:, 0] > 0)).long()
 
 
@@ -219,9 +209,8 @@ class FixedSchedule:
     def wants(self, batch_size: int) -> tuple[bool, bool]:
         return True, True
 
-    def choose(self, scores: torch.Tensor | None, num_rows: int, num_live: int, drafted: bool) -> torch.LongTensor:
-        if scores is None:
-            return torch.full((num_rows,), self.num_draft_tokens, dtype=torch.long)
+    def choose(self, scores: torch.Tensor, num_rows: int, num_live: int, drafted: bool) -> torch.LongTensor:
+        """Cumulative confidence `[B, k]` on the host (the engine verifies all k without a threshold)."""
         return longest_confident_prefix(scores, self.threshold)
 
     def observe(self, steps: list) -> None:
@@ -285,10 +274,8 @@ class GoodputSchedule:
         return bool(rates.max() > (1 + DRAFTING_MARGIN) / self.costs.get("plain", batch_size))
 
     def choose(self, scores: torch.Tensor, num_rows: int, num_live: int, drafted: bool) -> torch.LongTensor:
-        """scores `[B, k]` on the host (q_{b,j}, 0 without a draft) -> drafts each row verifies `[B]` on the host:
-        up to the width of the best rate, and of those only the drafts likely enough to pay for their own input
-        (q_{b,j} at least t_input times the rate). Drafted scores update E_w. While verification's cost is unknown
-        each row verifies its first draft, the cheapest step that measures it."""
+        """scores `[B, k]` (q_{b,j}) -> drafts each row verifies `[B]`, on the host: up to the best width, those that
+        pay for their own input (q_{b,j} >= t_input x rate); one each while t_input is unknown."""
         scores = scores.double()
         if drafted:
             per_row = torch.cat([scores.new_zeros(num_rows, 1), scores.cumsum(1)], dim=1).mean(0)
