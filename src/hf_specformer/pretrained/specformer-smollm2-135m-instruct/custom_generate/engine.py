@@ -424,7 +424,10 @@ def _record(call: _Call, batch: RaggedBatch, plan: StepPlan, counts, width, was_
     call.stats.record(width, sum(counts), result.accepted, was_live)
     call.rows.record(batch.host_rows, result.accepted, was_live)
     call.stats.drafting_steps += plan.drafted
-    verified = numpy.arange(plan.draft_ids.shape[1]) < numpy.array(counts)[:, None]  # [B, k]
+    if plan.scores is None and plan.free is None:
+        return
+    k = plan.draft_ids.shape[1]
+    verified = slice(None) if min(counts) == k else numpy.arange(k) < numpy.array(counts)[:, None]  # [B, k]
     if plan.scores is not None:
         call.stats.predicted_accepted += float(plan.scores.numpy()[verified].sum())
     if plan.free is not None:
