@@ -94,8 +94,8 @@ def check_arguments(model, config: GenerationConfig, unused: dict, input_ids, st
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("A streamer needs batch size 1.")
     pad_token_id = resolved_pad_token_id(config)
-    padded = pad_token_id is not None and input_ids.shape[0] > 1 and bool((input_ids[:, 0] == pad_token_id).any())
-    if unused.get("attention_mask") is None and padded:
+    if unused.get("attention_mask") is None and pad_token_id is not None and input_ids.shape[0] > 1 and \
+            bool((input_ids[:, 0] == pad_token_id).any()):
         raise ValueError("The batch looks left-padded but no `attention_mask` was given: pass the tokenizer's mask.")
 
 
