@@ -77,7 +77,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
     Args:
         on_output: called as `on_output(index, output)` as each request finishes.
         seeds: one int per request (with `do_sample=True`): a sampled text then depends on its own seed alone.
-        speculation_config: as `generate` takes it; its `memory_budget` caps the slots at as many as fit.
+        speculation_config: as `generate` takes it; its `memory_budget` caps the slots at as many as fit (with
+            `max_batch_size=None` the budget alone sets them).
     """
     if not inputs or any(not isinstance(ids, (list, tuple)) or not ids for ids in inputs):
         raise ValueError("inputs must be a non-empty list of non-empty token-id lists.")
