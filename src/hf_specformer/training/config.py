@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Literal
 
+
+def option(default=MISSING, help: str = ""):
+    """A field with its command-line `help` (no default: a required option)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -12,79 +16,55 @@ class DrafterTrainingConfig:
     """Options of a drafter training run: one field per command-line option (`--field-name`), each with its `help`
     (`hf-specformer train --help`); docs/training.md explains the recipe."""
 
-    data: str = field(metadata={"help": "Distill output folder or a `save_to_disk` dataset folder."})
-    output_dir: str = field(metadata={"help": "Folder for checkpoints, metrics.jsonl, eval.json and drafter/."})
-    target: str | None = field(default=None, metadata={"help": "Target model: smollm2, a folder, a .gguf file "
-                                                               "(default: the one the data was distilled from)."})
-    draft_length: int = field(default=8, metadata={"help": "l_d, the number of draft slots."})
-    next_token_input: bool = field(
-        default=False, metadata={"help": "The drafter also reads the token after each position (not in the paper)."}
-    )
-    epochs: float = field(default=1.0, metadata={"help": "Passes over the training split (unless max_steps)."})
-    max_steps: int | None = field(default=None, metadata={"help": "Optimiser steps; overrides epochs."})
-    per_device_batch_size: int = field(default=8, metadata={"help": "Sequences per micro-batch and process."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimiser step."})
-    learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate."})
-    min_learning_rate: float = field(default=1e-5, metadata={"help": "Final learning rate of the cosine decay."})
-    warmup_ratio: float = field(default=0.05, metadata={"help": "Fraction of steps with linear warm-up."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay of weight matrices."})
-    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0: no clipping)."})
-    max_length: int = field(default=768, metadata={"help": "Cut sequences to this many tokens."})
-    cut_loops: int = field(
-        default=0, metadata={"help": "Cut each training reply where it first repeats an N-token window (0: off)."}
-    )
-    positions_per_sequence: int = field(
-        default=64, metadata={"help": "Random reply positions per sequence for the slot stage (0: all)."}
-    )
-    ce_positions_per_sequence: int = field(
-        default=0, metadata={"help": "Of those, how many also get the cross-entropy (0: all of them)."}
-    )
-    feature_loss_weight: float = field(
-        default=0.0, metadata={"help": "Weight of the feature loss against the target's last hidden state (0: off)."}
-    )
-    soft_label_weight: float = field(
-        default=0.0, metadata={"help": "Weight of the forward KL from the target's next-token distribution (0: off)."}
-    )
-    cache_target_states: bool = field(
-        default=False, metadata={"help": "Keep each training sequence's target states in memory after its first pass."}
-    )
-    draft_vocab_size: int = field(
-        default=0, metadata={"help": "Draft only the N most frequent reply tokens of the training data (0: all)."}
-    )
-    draft_vocab_loss: bool = field(
-        default=False, metadata={"help": "Score only the draft vocabulary in the losses (labels outside it skipped)."}
-    )
-    loss_slots: int = field(default=0, metadata={"help": "Losses on the first N slots only (0: all l_d)."})
-    eval_fraction: float = field(default=0.05, metadata={"help": "Share of sequences held out for evaluation."})
-    eval_data: str | None = field(
-        default=None, metadata={"help": "Held-out data folder evaluated instead of a split of --data (needs "
-                                        "--eval-fraction 0)."}
-    )
-    eval_every: int = field(default=500, metadata={"help": "Evaluate every N optimiser steps (0: at the end)."})
-    save_every: int = field(default=500, metadata={"help": "Checkpoint every N optimiser steps (0: never)."})
-    mixed_precision: Literal["no", "bf16"] = field(default="no", metadata={"help": "Autocast precision."})
-    target_dtype: Literal["float32", "bfloat16", "float16"] = field(
-        default="float32", metadata={"help": "dtype of the frozen target (the device is accelerate's)."}
-    )
-    save_dtype: Literal["float32", "bfloat16", "float16"] = field(default="bfloat16",
-                                                                  metadata={"help": "Dtype of the exported drafter."})
-    seed: int = field(default=0, metadata={"help": "Random seed."})
-    num_threads: int = field(default=0, metadata={"help": "Torch CPU threads per process (0: default)."})
-    resume: bool = field(default=False, metadata={"help": "Resume from the latest checkpoint in output_dir."})
-    init_from: str | None = field(
-        default=None, metadata={"help": "Start from this drafter folder's weights instead of a fresh init."}
-    )
-    intermediate_size: int = field(
-        default=0, metadata={"help": "A fresh drafter's slot SwiGLU width (0: the target's MLP width)."}
-    )
-    new_parameter_learning_rate_scale: float = field(
-        default=1.0, metadata={"help": "With init_from: learning-rate multiple of the parameters it lacks."}
-    )
-    lora: bool = field(default=False, metadata={"help": "Adapt the init_from drafter with a LoRA adapter (PEFT)."})
-    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (updates scaled by alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    data: str = option(help="Distill output folder or a `save_to_disk` dataset folder.")
+    output_dir: str = option(help="Folder for checkpoints, metrics.jsonl, eval.json and drafter/.")
+    target: str | None = option(None, "Target model: smollm2, a folder, a .gguf file (default: the one the data "
+                                      "was distilled from).")
+    draft_length: int = option(8, "l_d, the number of draft slots.")
+    next_token_input: bool = option(False, "The drafter also reads the token after each position (not in the paper).")
+    epochs: float = option(1.0, "Passes over the training split (unless max_steps).")
+    max_steps: int | None = option(None, "Optimiser steps; overrides epochs.")
+    per_device_batch_size: int = option(8, "Sequences per micro-batch and process.")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimiser step.")
+    learning_rate: float = option(5e-4, "Peak learning rate.")
+    min_learning_rate: float = option(1e-5, "Final learning rate of the cosine decay.")
+    warmup_ratio: float = option(0.05, "Fraction of steps with linear warm-up.")
+    weight_decay: float = option(0.0, "AdamW weight decay of weight matrices.")
+    adam_eps: float = option(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0: no clipping).")
+    max_length: int = option(768, "Cut sequences to this many tokens.")
+    cut_loops: int = option(0, "Cut each training reply where it first repeats an N-token window (0: off).")
+    positions_per_sequence: int = option(64, "Random reply positions per sequence for the slot stage (0: all).")
+    ce_positions_per_sequence: int = option(0, "Of those, how many also get the cross-entropy (0: all of them).")
+    feature_loss_weight: float = option(0.0, "Weight of the feature loss against the target's last hidden state "
+                                             "(0: off).")
+    soft_label_weight: float = option(0.0, "Weight of the forward KL from the target's next-token distribution "
+                                           "(0: off).")
+    cache_target_states: bool = option(False, "Keep each training sequence's target states in memory after its "
+                                              "first pass.")
+    draft_vocab_size: int = option(0, "Draft only the N most frequent reply tokens of the training data (0: all).")
+    draft_vocab_loss: bool = option(False, "Score only the draft vocabulary in the losses (labels outside it skipped).")
+    loss_slots: int = option(0, "Losses on the first N slots only (0: all l_d).")
+    eval_fraction: float = option(0.05, "Share of sequences held out for evaluation.")
+    eval_data: str | None = option(None, "Held-out data folder evaluated instead of a split of --data (needs "
+                                        "--eval-fraction 0).")
+    eval_every: int = option(500, "Evaluate every N optimiser steps (0: at the end).")
+    save_every: int = option(500, "Checkpoint every N optimiser steps (0: never).")
+    mixed_precision: Literal["no", "bf16"] = option("no", "Autocast precision.")
+    target_dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "dtype of the frozen target (the "
+                                                                     "device is accelerate's).")
+    save_dtype: Literal["float32", "bfloat16", "float16"] = option("bfloat16", "Dtype of the exported drafter.")
+    seed: int = option(0, "Random seed.")
+    num_threads: int = option(0, "Torch CPU threads per process (0: default).")
+    resume: bool = option(False, "Resume from the latest checkpoint in output_dir.")
+    init_from: str | None = option(None, "Start from this drafter folder's weights instead of a fresh init.")
+    intermediate_size: int = option(0, "A fresh drafter's slot SwiGLU width (0: the target's MLP width).")
+    new_parameter_learning_rate_scale: float = option(1.0, "With init_from: learning-rate multiple of the "
+                                                           "parameters it lacks.")
+    lora: bool = option(False, "Adapt the init_from drafter with a LoRA adapter (PEFT).")
+    lora_rank: int = option(16, "LoRA rank r.")
+    lora_alpha: float = option(32.0, "LoRA alpha (updates scaled by alpha / r).")
+    lora_dropout: float = option(0.0, "LoRA dropout.")
 
     def __post_init__(self):
         positive = ("draft_length", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "adam_eps",
