@@ -69,14 +69,18 @@ def _products_serve(query, attention_mask, dropout: float) -> bool:
 
 def grouped_matmul_attention(query, key, value, attention_mask, scaling: float | None = None):
     """`packed_query_attention` as two batched products and a softmax between them, under an additive float mask
-    `[B, 1, T, S]`: query `[B, H, T, D]`, key and value `[B, H_kv, S, D]` -> `[B, H, T, D]`."""
+    `[B, 1, T, S]` (added, with the scale, inside the first product): query `[B, H, T, D]`, key and value
+    `[B, H_kv, S, D]` -> `[B, H, T, D]`."""
     batch, heads, length, head_dim = query.shape
-    kv_heads = key.shape[1]
-    packed = query.reshape(batch, kv_heads, heads // kv_heads * length, head_dim)
-    scores = torch.matmul(packed, key.transpose(2, 3)).mul_(head_dim**-0.5 if scaling is None else scaling)
-    scores = scores.view(batch, kv_heads, heads // kv_heads, length, -1).add_(attention_mask[:, :, None])
-    weights = scores.softmax(-1).view(batch, kv_heads, heads // kv_heads * length, -1)
-    return torch.matmul(weights, value).view(batch, heads, length, head_dim)
+    kv_heads, columns = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scores = attention_mask[:, :, None].expand(batch, kv_heads, groups, length, columns).reshape(
+        batch * kv_heads, groups * length, columns)  # a copy: the product adds into it
+    packed = query.reshape(batch * kv_heads, groups * length, head_dim)
+    keys = key.reshape(batch * kv_heads, columns, head_dim).transpose(1, 2)
+    scores.baddbmm_(packed, keys, alpha=head_dim**-0.5 if scaling is None else scaling)
+    weights = scores.softmax(-1)
+    return torch.bmm(weights, value.reshape(batch * kv_heads, columns, head_dim)).view(batch, heads, length, head_dim)
 
 
 AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
