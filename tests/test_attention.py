@@ -64,12 +64,13 @@ def test_masked_multi_query_attention_is_the_targets_own(kind, num_queries, monk
 
 @pytest.mark.parametrize("packed", [packed_query_attention, grouped_matmul_attention])
 @pytest.mark.parametrize("num_queries", [1, 4, PACKED_QUERY_LIMIT])
-def test_packed_queries_attend_as_repeated_key_value_heads(packed, num_queries):
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (6, 6), (1, 1)])
+def test_packed_queries_attend_as_repeated_key_value_heads(packed, num_queries, heads, kv_heads):
     """The packings (through `sdpa` off the CPU, through two products on it from `MATMUL_MIN_ROWS` rows), on
     `TEST_DEVICE`: each query head attends to its own key/value head under the mask's rows, as `sdpa` on repeated
-    heads."""
+    heads; the caller's mask is left as it was."""
     generator = torch.Generator().manual_seed(num_queries)
-    batch, heads, kv_heads, columns, dim = 3, 6, 2, 11, 8
+    batch, columns, dim = 3, 11, 8
     query, key, value = (torch.randn(batch, h, n, dim, generator=generator, dtype=torch.float64).to(TEST_DEVICE)
                          for h, n in ((heads, num_queries), (kv_heads, columns), (kv_heads, columns)))
     hidden = torch.rand(batch, 1, num_queries, columns, generator=generator) < 0.3
@@ -78,7 +79,9 @@ def test_packed_queries_attend_as_repeated_key_value_heads(packed, num_queries):
     mask = mask.to(TEST_DEVICE)
     repeated = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value)]
     expected = torch.nn.functional.scaled_dot_product_attention(query, *repeated, attn_mask=mask, scale=0.3)
+    given = mask.clone()
     torch.testing.assert_close(packed(query, key, value, mask, scaling=0.3), expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(mask, given)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -74,8 +74,8 @@ def grouped_matmul_attention(query, key, value, attention_mask, scaling: float |
     batch, heads, length, head_dim = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    scores = attention_mask[:, :, None].expand(batch, kv_heads, groups, length, columns).reshape(
-        batch * kv_heads, groups * length, columns)  # a copy: the product adds into it
+    scores = query.new_empty(batch * kv_heads, groups * length, columns)  # the mask, then the product added into it
+    scores.view(batch, kv_heads, groups, length, columns).copy_(attention_mask[:, :, None])
     packed = query.reshape(batch * kv_heads, groups * length, head_dim)
     keys = key.reshape(batch * kv_heads, columns, head_dim).transpose(1, 2)
     scores.baddbmm_(packed, keys, alpha=head_dim**-0.5 if scaling is None else scaling)
